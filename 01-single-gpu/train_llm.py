@@ -150,12 +150,15 @@ def main():
             save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
         if stop_requested.is_set():
             save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
-            sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
+            break
 
     progress.close()
-    export_hf(os.path.join(exp_dir, "hf"), model, tokenizer)
+    if state["step"] == total_steps:
+        export_hf(os.path.join(exp_dir, "hf"), model, tokenizer)
     if args.wandb:
         wandb.finish()
+    if state["step"] < total_steps:
+        sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
 
 
 def get_parser():

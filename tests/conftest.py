@@ -1,0 +1,157 @@
+"""Shared test harness: a tiny model and dataset built on disk, and one helper that launches a chapter.
+
+Every chapter test goes through `run_chapter`, which starts the chapter's script the way a reader does
+(`python train_llm.py` for chapter 01, `torchrun --standalone --nproc_per_node N train_llm.py` after), with a
+timeout, a free port (torchrun's --standalone picks one), a temp dir, and offline Hugging Face and wandb.
+"""
+import dataclasses
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = {
+    "01": ROOT / "01-single-gpu",
+    "02": ROOT / "02-distributed-data-parallel",
+    "03": ROOT / "03-job-launchers",
+    "04": ROOT / "04-fully-sharded-data-parallel",
+    "06": ROOT / "06-tensor-parallel",
+    "07": ROOT / "07-2d-parallel",
+}
+# NOTE: a tiny Llama whose heads (4), kv heads (4), hidden (64) and vocab (272) divide by 1, 2 and 4 ranks.
+TINY_LLAMA = dict(
+    vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=4, max_position_embeddings=256, bos_token_id=None, eos_token_id=1, pad_token_id=0,
+)
+
+
+@dataclasses.dataclass
+class Run:
+    """What one launch left behind: exit code, output, and the experiment folder with metrics.jsonl."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    exp_dir: Path
+
+    @property
+    def metrics(self):
+        path = self.exp_dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    @property
+    def losses(self):
+        return [m["loss"] for m in self.metrics]
+
+
+def offline_env(tmp_path):
+    """Environment for a launch: offline Hugging Face and wandb, caches inside the test's temp dir."""
+    env = dict(os.environ)
+    env.update(
+        HF_HOME=str(tmp_path / "hf-home"),
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        WANDB_MODE="offline",
+        WANDB_DIR=str(tmp_path),
+        WANDB_SILENT="true",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def run_chapter(chapter, args, tmp_path, nproc=None, timeout=240, expect_ok=True, env=None,
+                experiment="test", script=None):
+    """Launch a chapter's train_llm.py and wait for it.
+
+    nproc=None runs `python train_llm.py`; a number runs it under `torchrun --standalone`. The run writes to
+    tmp_path/outputs/<experiment>. A hang past `timeout` kills the whole process group and fails the test;
+    with expect_ok, any non-zero exit (also one after the work is done) fails the test with the output.
+    """
+    script = script or CHAPTERS[chapter] / "train_llm.py"
+    save_dir = tmp_path / "outputs"
+    command = [sys.executable, str(script)] if nproc is None else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)
+    ]
+    command += ["--save-dir", str(save_dir), "-e", experiment, *map(str, args)]
+    process = subprocess.Popen(
+        command, cwd=tmp_path, env=env or offline_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{' '.join(command)} hung for {timeout} s\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-4000:]}")
+    run = Run(process.returncode, stdout, stderr, save_dir / experiment)
+    if expect_ok and run.returncode != 0:
+        pytest.fail(f"{' '.join(command)} exited {run.returncode}\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-6000:]}")
+    return run
+
+
+def write_tiny_model(path, seed=0, **overrides):
+    """A randomly initialised tiny Llama (weights + ByT5 byte tokenizer) saved like any Hub checkpoint."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    transformers.ByT5Tokenizer(extra_ids=0).save_pretrained(path)
+    return path
+
+
+def write_tiny_dataset(path, num_files=2, documents_per_file=300, seed=0):
+    """A folder of .txt files (one document a line) with structure a tiny model learns in a few steps."""
+    rng = random.Random(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    words = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "sings", "fast", "slow", "here"]
+    for file_index in range(num_files):
+        lines = []
+        for _ in range(documents_per_file):
+            start = rng.randrange(len(words))
+            lines.append(" ".join(words[(start + i) % len(words)] for i in range(rng.randint(4, 12))) + ".")
+        (path / f"part-{file_index}.txt").write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory):
+    return write_tiny_dataset(tmp_path_factory.mktemp("tiny-dataset"))
+
+
+@pytest.fixture
+def common_args(tiny_model, tiny_dataset):
+    """Flags for a short, exact fp32 run from fixed pretrained weights on the on-disk dataset."""
+    return ["-m", tiny_model, "--from-pretrained", "-d", tiny_dataset, "-s", 32, "--dtype", "float32",
+            "--log-freq", 1, "--warmup-steps", 2]
+
+
+def load_weights(hf_dir):
+    """The exported model's tensors by name (fp32, CPU)."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in sorted(Path(hf_dir).glob("*.safetensors")):
+        weights.update(load_file(file))
+    return weights
+
+
+def max_weight_diff(hf_dir_a, hf_dir_b):
+    a, b = load_weights(hf_dir_a), load_weights(hf_dir_b)
+    assert a.keys() == b.keys()
+    return max((a[name] - b[name]).abs().max().item() for name in a)

@@ -1,0 +1,130 @@
+"""The READMEs say only what is true: every relative link resolves, and every command they show runs.
+
+Commands: each line of a ```bash block that starts with `python ` or `torchrun ` (after optional `VAR=value`
+prefixes; in `a && b`, each part counts as a line) runs from its README's folder, offline, with
+` --max-steps 2 --save-dir <tmp>` appended, and must exit 0. A block whose last non-blank line before the fence
+is `<!-- needs: <reason> -->` is skipped with that reason (GPUs, the Hub, a cluster). The test command
+(`python -m pytest ...`) is the one exception: running the suite inside the suite would recurse, so instead it
+must be exactly what CI runs (.ci/run).
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, offline_env
+
+READMES = [ROOT / "README.md", *sorted(r for r in ROOT.glob("*/README.md") if not r.parent.name.startswith("."))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
+NEEDS = re.compile(r"<!--\s*needs\b:?(.*?)-->")
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+COMMAND = re.compile(r"^(?:\w+=\S*\s+)*(?:python|torchrun)\s")
+TEST_COMMAND = re.compile(r"^python -m pytest\b")
+
+
+def name(readme):
+    return str(readme.relative_to(ROOT))
+
+
+def bash_blocks(readme):
+    """(the `needs` reason or None, the block's text) for each ```bash block."""
+    text = readme.read_text()
+    blocks = []
+    for fence in FENCE.finditer(text):
+        if fence[1] != "bash":
+            continue
+        before = text[: fence.start()].rstrip().splitlines()
+        needs = NEEDS.fullmatch(before[-1].strip()) if before else None
+        blocks.append((needs[1].strip() if needs else None, fence[2]))
+    return blocks
+
+
+def commands(block):
+    """The python/torchrun commands of a bash block: continuations joined, `&&` split, comments dropped."""
+    found = []
+    for line in block.replace("\\\n", " ").splitlines():
+        for part in line.split("&&"):
+            part = re.sub(r"\s+#.*$", "", part.strip())
+            if COMMAND.match(part):
+                found.append(part)
+    return found
+
+
+RUNNABLE = [
+    pytest.param(readme, command, needs, id=f"{name(readme)}: {command}")
+    for readme in READMES
+    for needs, block in bash_blocks(readme)
+    for command in commands(block)
+    if not TEST_COMMAND.match(command)
+]
+TEST_COMMANDS = [command for needs, block in bash_blocks(ROOT / "README.md") for command in commands(block)
+                 if TEST_COMMAND.match(command)]
+
+
+@pytest.mark.parametrize("readme", READMES, ids=name)
+def test_relative_links_resolve(readme):
+    text = FENCE.sub("", readme.read_text())
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"^[a-z]+:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (readme.parent / path).resolve() if path else readme
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in heading_anchors(file):
+            broken.append(target)
+    assert not broken, f"{name(readme)} links to what does not exist: {broken}"
+
+
+def heading_anchors(markdown_file):
+    """GitHub's anchors: headings lowercased, punctuation dropped, spaces turned into hyphens."""
+    headings = re.findall(r"^#+\s+(.+?)\s*$", FENCE.sub("", markdown_file.read_text()), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_top_readme_links_every_chapter_folder():
+    chapters = [d.name for d in ROOT.iterdir() if d.is_dir() and re.match(r"\d\d-", d.name)]
+    unlinked = [chapter for chapter in chapters if f"]({chapter}/)" not in (ROOT / "README.md").read_text()]
+    assert not unlinked, f"README.md's chapter table does not link {unlinked} (still marked planned?)"
+
+
+@pytest.mark.parametrize("readme", READMES, ids=name)
+def test_every_needs_marker_gives_a_reason(readme):
+    markers = NEEDS.findall(readme.read_text())
+    assert all(reason.strip() for reason in markers), (
+        f"{name(readme)} has a `<!-- needs -->` marker without a reason; write `<!-- needs: what it needs -->`"
+    )
+
+
+@pytest.mark.parametrize("readme,command,needs", RUNNABLE)
+def test_readme_command_runs(readme, command, needs, tmp_path):
+    if needs is not None:
+        assert needs, f"the `<!-- needs -->` marker before `{command}` in {name(readme)} gives no reason"
+        pytest.skip(f"needs {needs}")
+    env = offline_env(tmp_path)
+    # NOTE: `python` and `torchrun` must be this environment's, as they are for a reader with the venv active.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    full_command = f"{command} --max-steps 2 --save-dir {tmp_path / 'outputs'}"
+    process = subprocess.Popen(full_command, shell=True, cwd=readme.parent, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"`{full_command}` in {name(readme)} hung for 300 s\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    assert process.returncode == 0, (
+        f"`{full_command}` in {name(readme)} exited {process.returncode}\n--- stdout\n{stdout[-3000:]}"
+        f"\n--- stderr\n{stderr[-5000:]}"
+    )
+
+
+def test_readme_test_command_is_what_ci_runs():
+    assert len(TEST_COMMANDS) == 1, f"README.md should show one test command, found {TEST_COMMANDS}"
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert TEST_COMMANDS[0] in ci_lines, f".ci/run does not run the README's test command `{TEST_COMMANDS[0]}`"

@@ -1,0 +1,616 @@
+"""Train a causal language model on many devices with tensor parallelism (TP): each layer split across them.
+
+    torchrun --nproc_per_node=2 train_llm.py              # tiny Llama, offline corpus, any laptop
+    torchrun --nproc_per_node=8 train_llm.py -m meta-llama/Llama-3.2-1B -d roneneldan/TinyStories --lr 3e-4
+
+Chapter 02's script with DDP replaced by tensor parallelism, sequence parallelism and loss parallelism: every
+rank holds a slice of every weight matrix, all ranks compute the same batch together, and every rank writes its
+slices of each checkpoint (torch.distributed.checkpoint).
+"""
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import threading
+import time
+from contextlib import nullcontext
+
+import datasets
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+import transformers
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
+)
+from tqdm import tqdm
+
+
+# NOTE: @record writes this rank's traceback where torchrun reports which rank failed and why.
+@record
+def main():
+    args = get_parser().parse_args()
+
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
+    # NOTE: torchrun sets these for each process it starts. LOCAL_RANK numbers the processes on this node, and
+    # it, not rank % device_count, picks the GPU: nodes may differ in how many processes they run.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # NOTE: nccl moves CUDA tensors between GPUs; gloo moves CPU tensors. device_id binds nccl to our GPU at once.
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+    )
+    # NOTE: weights and optimizer state stay fp32 (the "master" copy); only the forward/backward math runs in
+    # --dtype. Pure bf16 weights lose small updates: at lr 3e-5 most bf16 weights would never change.
+    compute_dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    exp_dir = make_experiment_dir(args.save_dir, args.experiment_name)
+    torch.manual_seed(args.seed)
+
+    config, tokenizer = load_config_and_tokenizer(args)
+    check_tensor_parallel_fits(config, args.seq_length, world_size)
+    # NOTE: every rank builds (or loads) the whole model from the same seed, exactly as chapter 01 does, and then
+    # keeps only its slices: the weights equal chapter 01's. This needs the full fp32 model in each device's
+    # memory once, at start.
+    model = build_model(args, config, device)
+    # NOTE: a device mesh names the ranks that share each layer: here one dimension, "tp", over all of them.
+    tp_mesh = init_device_mesh(device.type, (world_size,), mesh_dim_names=("tp",))
+    tensor_parallelize(model, tp_mesh)
+    param_shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+    flops_per_token = training_flops_per_token(model, config, args.seq_length)
+    if rank == 0:
+        print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, compute in {compute_dtype}")
+
+    # NOTE: rank 0 tokenizes first and fills the datasets cache; the others then read that cache instead of all
+    # racing to write it.
+    if rank != 0:
+        dist.barrier()
+    data = load_and_pack(args, tokenizer)
+    if rank == 0:
+        dist.barrier()
+    # NOTE: tensor parallelism does not split the data: all ranks compute the same -b sequences together.
+    global_batch_size = args.batch_size
+    tokens_per_step = global_batch_size * args.seq_length
+    steps_per_epoch = len(data) // global_batch_size
+    if steps_per_epoch == 0:
+        sys.exit(
+            f"error: the dataset gives {len(data)} sequences of {args.seq_length + 1} tokens, fewer than one batch "
+            f"of {global_batch_size}; use a smaller -b/--batch-size or -s/--seq-length, or more data"
+        )
+    total_steps = steps_per_epoch * args.num_epochs
+    if args.max_steps is not None:
+        total_steps = min(total_steps, args.max_steps)
+
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, total_steps)
+    )
+
+    # NOTE: the data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure
+    # function of (seed, epoch), so resuming needs no replay of skipped batches.
+    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0}
+    checkpoint_dir = latest_checkpoint(exp_dir)
+    if checkpoint_dir is not None:
+        state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes)
+        print(f"rank {rank}: resumed from {checkpoint_dir} at step {state['step']}")
+    metrics_path = os.path.join(exp_dir, "metrics.jsonl")
+    if rank == 0:
+        truncate_metrics(metrics_path, after_step=state["step"])
+
+    # NOTE: compile AFTER parallelizing: the compiled graph then holds the plan's collectives.
+    if args.compile:
+        model.compile()
+    if args.wandb and rank == 0:
+        import wandb
+
+        # NOTE: id + resume="allow" makes a relaunch of the same experiment continue the same wandb run.
+        wandb.init(
+            project="distributed-training-guide", name=args.experiment_name, id=args.experiment_name,
+            resume="allow", dir=exp_dir, config=vars(args),
+        )
+
+    # NOTE: schedulers (Slurm preemption, time limits) send a signal before they kill a job: we finish the
+    # current step, save a checkpoint and exit, so a relaunch of the same command loses nothing.
+    stop_requested = threading.Event()
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(stop_signal, lambda signum, frame: stop_requested.set())
+
+    autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+    peak_flops = peak_flops_per_second(device)
+    order = epoch_order(len(data), args.seed, state["epoch"])
+    running_loss, steps_since_log = torch.zeros((), device=device), 0
+    progress = tqdm(
+        total=total_steps, initial=state["step"], desc="training", disable=rank != 0 or not sys.stderr.isatty()
+    )
+    last_log_time = time.perf_counter()
+    model.train()
+
+    while state["step"] < total_steps:
+        if state["samples_in_epoch"] + global_batch_size > len(data):
+            state["epoch"] += 1
+            state["samples_in_epoch"] = 0
+            order = epoch_order(len(data), args.seed, state["epoch"])
+        batch_indices = order[state["samples_in_epoch"] : state["samples_in_epoch"] + global_batch_size]
+        state["samples_in_epoch"] += global_batch_size
+        batch = torch.from_numpy(data[batch_indices]["input_ids"]).to(device, non_blocking=True)
+        # NOTE: each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
+        input_ids, labels = batch[:, :-1], batch[:, 1:]
+
+        with autocast:
+            logits = model(input_ids=input_ids, use_cache=False).logits
+        # NOTE: the logits stay split over the vocabulary, one slice per rank. loss_parallel computes the
+        # cross-entropy from the slices (all-reducing each row's max, sum of exponentials and target logit), so the
+        # full logits never exist on one device. Its backward needs the same context.
+        with loss_parallel():
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+            loss.backward()
+        # NOTE: every parameter is a DTensor, so the norm adds up the slices of every rank: the global norm.
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor()
+        optimizer.step()
+        lr_schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        progress.update(1)
+
+        # NOTE: losses stay on the device until a log step; calling .item() every step would make the CPU
+        # wait for the GPU each step.
+        # NOTE: the loss is a replicated DTensor: each rank's local value is the whole batch's loss.
+        running_loss += loss.detach().to_local()
+        steps_since_log += 1
+        if state["step"] % args.log_freq == 0 or state["step"] == total_steps:
+            mean_loss = running_loss.item() / steps_since_log
+            elapsed = time.perf_counter() - last_log_time
+            tokens_per_s = tokens_per_step * steps_since_log / elapsed
+            metrics = {
+                "step": state["step"],
+                "epoch": state["epoch"],
+                "loss": mean_loss,
+                "grad_norm": grad_norm.item(),
+                "lr": lr_schedule.get_last_lr()[0],
+                "tokens_per_s": tokens_per_s,
+                "peak_memory_gb": peak_memory_gb(device),
+            }
+            if peak_flops is not None:
+                metrics["mfu"] = tokens_per_s * flops_per_token / peak_flops
+            if rank == 0:
+                log_metrics(metrics_path, metrics, progress)
+            if args.wandb and rank == 0:
+                wandb.log(metrics, step=state["step"])
+            running_loss.zero_()
+            steps_since_log = 0
+            last_log_time = time.perf_counter()
+
+        # NOTE: each rank holds different slices of the weights and optimizer state, so every rank saves.
+        if state["step"] % args.ckpt_freq == 0 or state["step"] == total_steps:
+            save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
+        # NOTE: ranks may see a signal at different steps; they agree (MAX over ranks) so all stop at the same one.
+        stop_now = torch.tensor(float(stop_requested.is_set()), device=device)
+        dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)
+        if stop_now.item():
+            save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
+            break
+
+    progress.close()
+    if state["step"] == total_steps:
+        export_hf(os.path.join(exp_dir, "hf"), model, tokenizer)
+    if args.wandb and rank == 0:
+        wandb.finish()
+    dist.destroy_process_group()
+    if state["step"] < total_steps:
+        # NOTE: exit 1 without the interpreter's teardown, for the reason given at the end of this file.
+        print(f"stopped by a signal after step {state['step']}; relaunch the same command to resume", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-m", "--model-name", default=None,
+                        help="Hugging Face model id or local folder (default: a tiny Llama built offline)")
+    parser.add_argument("--from-pretrained", action="store_true",
+                        help="load the weights of -m (default: fresh weights from -m's config)")
+    parser.add_argument("-d", "--dataset-name", default=None,
+                        help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
+                             "with a 'text' column (default: an offline synthetic corpus)")
+    parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
+    parser.add_argument("-b", "--batch-size", type=int, default=8, help="sequences per step on this device")
+    parser.add_argument("-s", "--seq-length", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (default: epochs)")
+    parser.add_argument("--num-epochs", type=int, default=1)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="compute dtype (default: bfloat16 on CUDA, float32 on CPU); weights stay float32")
+    parser.add_argument("--attn-implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("-e", "--experiment-name", default="default",
+                        help="name of the run; relaunching the same name resumes it")
+    parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")
+    parser.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
+    parser.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
+    return parser
+
+
+def make_experiment_dir(save_dir, experiment_name):
+    exp_dir = os.path.join(save_dir, experiment_name)
+    try:
+        os.makedirs(exp_dir, exist_ok=True)
+        probe = os.path.join(exp_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
+    return exp_dir
+
+
+def load_config_and_tokenizer(args):
+    if args.model_name is None:
+        if args.from_pretrained:
+            sys.exit("error: --from-pretrained needs -m/--model-name (the default tiny model has no weights)")
+        return tiny_llama_config(), transformers.ByT5Tokenizer(extra_ids=0)
+    try:
+        config = transformers.AutoConfig.from_pretrained(args.model_name)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name)
+    except Exception as error:
+        sys.exit(
+            f"error: cannot load model {args.model_name!r} ({first_line(error)}); pass a Hugging Face model id "
+            "or a local folder with config.json and a tokenizer"
+        )
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None and args.seq_length > max_positions:
+        sys.exit(
+            f"error: -s/--seq-length {args.seq_length} is longer than {args.model_name}'s "
+            f"{max_positions} positions; pass -s {max_positions} or less"
+        )
+    return config, tokenizer
+
+
+def tiny_llama_config():
+    # NOTE: vocab 272 = ByT5's 259 byte tokens rounded up so it divides by 2, 4, 8, 16 (tensor parallel shards).
+    return transformers.LlamaConfig(
+        vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=None, eos_token_id=1, pad_token_id=0,
+    )
+
+
+def check_tensor_parallel_fits(config, seq_length, tp_size):
+    """Every dimension the plan splits must divide by the number of ranks; fail at once, naming the one that
+    does not and the fix, before any weights are loaded."""
+    split_sizes = [
+        ("attention heads (num_attention_heads)", config.num_attention_heads),
+        ("key/value heads (num_key_value_heads)", getattr(config, "num_key_value_heads", None)),
+        ("MLP width (intermediate_size)", config.intermediate_size),
+        ("vocabulary entries (vocab_size)", config.vocab_size),
+    ]
+    for what, size in split_sizes:
+        if size is not None and size % tp_size != 0:
+            sys.exit(
+                f"error: tensor parallelism splits the model's {size} {what} over {tp_size} ranks, but {size} "
+                f"does not divide by {tp_size}; launch with a --nproc_per_node that divides {size}"
+            )
+    if seq_length % tp_size != 0:
+        sys.exit(
+            f"error: sequence parallelism splits each sequence of -s/--seq-length {seq_length} tokens over "
+            f"{tp_size} ranks, but {seq_length} does not divide by {tp_size}; pass a multiple of {tp_size}"
+        )
+
+
+def build_model(args, config, device):
+    try:
+        # NOTE: building under `with device` allocates the weights directly on the GPU, not in host RAM first.
+        with device:
+            if args.from_pretrained:
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    args.model_name, dtype=torch.float32, attn_implementation=args.attn_implementation
+                )
+            else:
+                model = transformers.AutoModelForCausalLM.from_config(
+                    config, dtype=torch.float32, attn_implementation=args.attn_implementation
+                )
+    except (ImportError, ValueError, OSError) as error:
+        sys.exit(f"error: cannot build model {args.model_name or 'tiny-llama'!r}: {first_line(error)}")
+    return model
+
+
+def tensor_parallelize(model, tp_mesh):
+    """Split a Llama-family model over the ranks of tp_mesh, in place.
+
+    Inside each block, the first matmuls are split by output columns (each rank computes some heads, some MLP
+    channels) and the last by input rows (each rank adds its part; the sum needs one collective). Between
+    blocks, the sequence is split (sequence parallelism): norms and residual adds run on 1/N of the tokens.
+    Layouts: Replicate() = every rank holds the whole tensor, Shard(d) = each rank holds a slice along dim d.
+    """
+    # NOTE: each block does one all-gather (sequence slices -> whole sequence) before its column-wise matmuls
+    # and one reduce-scatter (partial sums -> summed sequence slices) after its row-wise matmul, twice a layer.
+    plan = {
+        # NOTE: vocabulary-parallel embedding: rank r holds rows [r*V/N, (r+1)*V/N); each token's vector comes
+        # from the rank that holds its row (the others add zeros) in the reduce-scatter. The output stays a
+        # DTensor so that the model sees the full sequence length (positions and causal mask).
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
+        "model.layers.*.input_layernorm": SequenceParallel(),
+        "model.layers.*.self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        ),
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "model.layers.*.post_attention_layernorm": SequenceParallel(),
+        "model.layers.*.mlp": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "model.norm": SequenceParallel(),
+        # NOTE: the output head keeps the logits split over the vocabulary for loss_parallel.
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for name in plan:
+        try:
+            model.get_submodule(name.replace("*", "0"))
+        except AttributeError:
+            sys.exit(
+                f"error: the tensor-parallel plan is written for Llama-family models (Llama, Mistral, Qwen), "
+                f"but {type(model).__name__} has no module {name!r}; use such a model or write its plan"
+            )
+    # NOTE: models like Llama 3.2 1B share one matrix between embedding and output head. Parallelizing replaces
+    # each module's parameter with a new one, so tie them again, or they would train apart.
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    parallelize_module(model, tp_mesh, plan)
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+
+
+def load_and_pack(args, tokenizer):
+    """Tokenize every document, join them with EOS between documents, and cut the token stream into rows
+    of seq_length + 1 tokens. datasets caches the result next to the downloaded data."""
+    if args.dataset_name is None:
+        raw = datasets.Dataset.from_dict({"text": tiny_corpus()})
+    else:
+        raw = load_raw_dataset(args.dataset_name, args.dataset_subset)
+    if "text" not in raw.column_names:
+        sys.exit(f"error: dataset {args.dataset_name!r} has no 'text' column (it has {raw.column_names})")
+    row_length = args.seq_length + 1
+    eos = tokenizer.eos_token_id
+
+    def tokenize_and_pack(batch):
+        stream = []
+        for ids in tokenizer(batch["text"])["input_ids"]:
+            stream.extend(ids)
+            if eos is not None and (not ids or ids[-1] != eos):
+                stream.append(eos)
+        num_rows = len(stream) // row_length
+        return {"input_ids": [stream[i * row_length : (i + 1) * row_length] for i in range(num_rows)]}
+
+    packed = raw.map(tokenize_and_pack, batched=True, batch_size=1000, remove_columns=raw.column_names,
+                     desc=f"tokenize and pack into rows of {row_length}")
+    return packed.with_format("numpy")
+
+
+def load_raw_dataset(name, subset):
+    builders = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+    try:
+        if os.path.isfile(name):
+            extension = os.path.splitext(name)[1]
+            if extension not in builders:
+                sys.exit(f"error: cannot read {name!r}: use a {', '.join(builders)} file or a folder of them")
+            return datasets.load_dataset(builders[extension], data_files=name, split="train")
+        return datasets.load_dataset(name, subset, split="train")
+    except Exception as error:
+        sys.exit(
+            f"error: cannot load dataset {name!r} ({first_line(error)}); pass a Hugging Face dataset id "
+            "(and --dataset-subset if it has several), or a local file or folder"
+        )
+
+
+def tiny_corpus(num_documents=4000, seed=1234):
+    """Short stories with structure a tiny model can learn in a minute: templates, names and sums."""
+    rng = random.Random(seed)
+    names = ["Ada", "Ben", "Cleo", "Dev", "Eva", "Finn", "Gia", "Hugo", "Ines", "Jon", "Kai", "Lena"]
+    things = ["apples", "books", "coins", "shells", "stamps", "marbles", "pencils", "cards"]
+    documents = []
+    for _ in range(num_documents):
+        giver, taker = rng.sample(names, 2)
+        thing = rng.choice(things)
+        had, given = rng.randint(1, 20), rng.randint(1, 20)
+        documents.append(
+            f"{taker} has {had} {thing}. {giver} gives {taker} {given} more {thing}. "
+            f"Now {taker} has {had + given} {thing}."
+        )
+    return documents
+
+
+def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
+    """Multiplier of the peak learning rate: linear warmup, then one cosine down to final_fraction at the end."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def epoch_order(num_rows, seed, epoch):
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def training_flops_per_token(model, config, seq_length):
+    """6 FLOPs per parameter per token (forward + backward) for the matmuls, plus attention scores
+    (12 * layers * hidden * seq_length, PaLM appendix B). Embedding lookups are not matmuls."""
+    num_params = sum(p.numel() for p in model.parameters())
+    num_params -= model.get_input_embeddings().weight.numel()
+    return 6 * num_params + 12 * config.num_hidden_layers * config.hidden_size * seq_length
+
+
+def peak_flops_per_second(device):
+    """Dense bf16 tensor-core peak of the GPU (datasheet numbers, without sparsity), or None if unknown."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, flops in [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
+                       ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12)]:
+        if key in name:
+            print(f"MFU is relative to {flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of {name}")
+            return flops
+    print(f"unknown peak FLOP/s for {name}: MFU is not reported")
+    return None
+
+
+def peak_memory_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource  # NOTE: Unix only; on CPU the process's peak resident memory is the honest number
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+
+
+def log_metrics(path, metrics, progress):
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
+    progress.write(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+
+
+def truncate_metrics(path, after_step):
+    """After a resume, drop the lines that the interrupted run logged past its last checkpoint."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def latest_checkpoint(exp_dir):
+    """Newest complete checkpoint. A save writes into step-N.partial and renames it to step-N when done,
+    so a run killed mid-save leaves only a .partial folder, which is ignored."""
+    checkpoints_dir = os.path.join(exp_dir, "checkpoints")
+    if not os.path.isdir(checkpoints_dir):
+        return None
+    complete = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
+    return os.path.join(checkpoints_dir, complete[-1]) if complete else None
+
+
+def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
+    checkpoints_dir = os.path.join(exp_dir, "checkpoints")
+    final_dir = os.path.join(checkpoints_dir, f"step-{state['step']:08d}")
+    partial_dir = final_dir + ".partial"
+    if os.path.exists(final_dir):
+        return
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        os.makedirs(partial_dir)
+    dist.barrier()
+    # NOTE: get_state_dict names each rank's slices by the full model's keys and their place in the full
+    # tensor; dcp.save writes every rank's slices (replicated tensors once) and an index, so any number of
+    # ranks can read it back.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial_dir)
+    if rank == 0:
+        torch.save(
+            {
+                "lr_schedule": lr_schedule.state_dict(),
+                # NOTE: the data order has its own generator; these cover anything random in the model (dropout).
+                "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()},
+            },
+            os.path.join(partial_dir, "checkpoint.pt"),
+        )
+        with open(os.path.join(partial_dir, "state.json"), "w") as f:
+            json.dump({**state, "param_shapes": param_shapes}, f)
+        # NOTE: dcp.save returns on every rank once all slices are written; only then may rank 0 rename. The
+        # rename is atomic: a crash before it leaves the previous checkpoint as the newest complete one.
+        os.rename(partial_dir, final_dir)
+        for name in os.listdir(checkpoints_dir):
+            if name != os.path.basename(final_dir):
+                shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
+    # NOTE: no rank goes on before the rename, so all agree on which checkpoints exist.
+    dist.barrier()
+
+
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes):
+    with open(os.path.join(checkpoint_dir, "state.json")) as f:
+        state = json.load(f)
+    saved_shapes = state.pop("param_shapes")
+    if saved_shapes != param_shapes:
+        sys.exit(
+            f"error: checkpoint {checkpoint_dir} holds a different model ({describe_mismatch(saved_shapes, param_shapes)}); "
+            "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
+        )
+    # NOTE: a fresh optimizer has no state to load into. get_state_dict creates Adam's moments in this run's
+    # layout, dcp.load fills each rank's slices in place, and set_state_dict hands them to the optimizer.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    sharded_state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(sharded_state, checkpoint_id=checkpoint_dir)
+    set_state_dict(
+        model, optimizer, model_state_dict=sharded_state["model"], optim_state_dict=sharded_state["optimizer"]
+    )
+    checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
+    lr_schedule.load_state_dict(checkpoint["lr_schedule"])
+    torch.set_rng_state(checkpoint["rng"]["cpu"])
+    if torch.cuda.is_available() and checkpoint["rng"]["cuda"]:
+        torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+    return state
+
+
+def describe_mismatch(saved_shapes, param_shapes):
+    for name in sorted(set(saved_shapes) | set(param_shapes)):
+        if saved_shapes.get(name) != param_shapes.get(name):
+            return f"{name}: {saved_shapes.get(name)} in the checkpoint, {param_shapes.get(name)} in this model"
+    return "same parameters"
+
+
+def export_hf(hf_dir, model, tokenizer):
+    """Write the trained model in Hugging Face format: AutoModelForCausalLM.from_pretrained(hf_dir) loads it."""
+    # NOTE: every rank sends its slices; rank 0 receives whole tensors, in host memory (cpu_offload), and writes.
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        # NOTE: a tied matrix (one parameter under two names) comes back as two copies. Pointing both names at
+        # one copy lets HF see the tie and save the matrix once, as chapter 01 does.
+        first_copy = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            full_state[name] = first_copy.setdefault(param, full_state[name])
+        model.save_pretrained(hf_dir, state_dict=full_state)
+        tokenizer.save_pretrained(hf_dir)
+        print(f"saved the trained model to {hf_dir}")
+
+
+def first_line(error):
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+if __name__ == "__main__":
+    main()
+    # NOTE: exit without the interpreter's teardown. DeviceMesh and DTensor caches keep the gloo process groups
+    # alive, so their worker threads still run while Python shuts down and can abort the finished process
+    # ("terminate called without an active exception", pytorch/pytorch#190489). Everything is saved by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

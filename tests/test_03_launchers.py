@@ -1,0 +1,292 @@
+"""Chapter 03: chapter 02's script launched on a real two-node Slurm cluster (two network namespaces on this
+machine, practice-cluster/up.sh) by sbatch, by torchrun by hand, by mpirun; preemption and requeue; a
+launch mistake; and the submit helper's checks.
+
+Every multi-node run trains a global batch of 8 sequences (2 nodes x 2 processes x -b 2 under Slurm; 2 nodes
+x 1 process x -b 4 by hand, to save process start-ups) and must log the per-step losses of one node running 4
+processes (run_chapter("02", nproc=4)) within 1e-5: fp32, the same samples in each step, only the reduction
+order of the all-reduce differs (measured differences are below 1e-6).
+"""
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CHAPTERS, offline_env, run_chapter
+
+CHAPTER = CHAPTERS["03"]
+PRACTICE = CHAPTER / "practice-cluster"
+TRAIN_SCRIPT = CHAPTERS["02"] / "train_llm.py"
+SLURM_TOOLS = ("slurmctld", "slurmd", "sbatch", "munged", "nsenter", "unshare", "ip")
+STEPS = 40
+GLOBAL_BATCH = 8
+LOSS_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def train_args(tiny_model, tiny_dataset):
+    """conftest's common_args for STEPS steps; add batch_for(ranks) for the per-rank batch."""
+    return ["-m", tiny_model, "--from-pretrained", "-d", tiny_dataset, "-s", 32, "--dtype", "float32",
+            "--log-freq", 1, "--warmup-steps", 2, "--max-steps", STEPS]
+
+
+def batch_for(ranks):
+    return ["-b", GLOBAL_BATCH // ranks]
+
+
+@pytest.fixture(scope="module")
+def reference_losses(train_args, tmp_path_factory):
+    """One node, 4 processes: the loss series every 2 x 2 launch must reproduce."""
+    run = run_chapter("02", [*train_args, *batch_for(4)], tmp_path_factory.mktemp("reference"), nproc=4)
+    assert len(run.losses) == STEPS
+    return run.losses
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A running two-node practice cluster; always torn down, also when a test or up.sh fails."""
+    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+    if os.geteuid() != 0 or missing:
+        pytest.skip(f"needs root and {', '.join(missing) or 'nothing'} (apt-get install slurmctld slurmd slurm-client munge)")
+    # NOTE: munged (user munge) must reach its socket folder, so no 0700 pytest temp dir above the state.
+    state = Path(tempfile.mkdtemp(prefix="practice-cluster-"))
+    state.chmod(0o755)
+    try:
+        up = subprocess.run([PRACTICE / "up.sh", state], capture_output=True, text=True, timeout=120)
+        if up.returncode != 0:
+            pytest.fail(f"practice-cluster/up.sh failed:\n{up.stdout}\n{up.stderr}")
+        yield state
+    finally:
+        subprocess.run([PRACTICE / "down.sh", state], capture_output=True, timeout=120)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def work_dir(cluster, tmp_path_factory):
+    """Where jobs run and write: a path both nodes see (they share this machine's filesystem)."""
+    return tmp_path_factory.mktemp("jobs")
+
+
+def launch_env(cluster, work_dir):
+    env = offline_env(work_dir)
+    env.update(SLURM_CONF=str(cluster / "slurm.conf"), PRACTICE_CLUSTER_DIR=str(cluster),
+               PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
+    return env
+
+
+def slurm(env, *command, cwd=None):
+    result = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"{' '.join(map(str, command))} failed: {result.stderr}"
+    return result.stdout
+
+
+def job_field(env, job_id, field):
+    match = re.search(rf"\b{field}=(\S+)", slurm(env, "scontrol", "show", "job", "-o", job_id))
+    return match[1]
+
+
+def wait_for_job(env, job_id, timeout=400, until=None):
+    """Poll the job (every 0.5 s, sooner than sbatch --wait) until it has ended, or `until()` holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if until is not None and until():
+            return None
+        state = job_field(env, job_id, "JobState")
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"):
+            return state
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], env=env, timeout=60)
+    pytest.fail(f"job {job_id} still {job_field(env, job_id, 'JobState')} after {timeout} s")
+
+
+def job_log(work_dir, job_id):
+    return "".join(path.read_text() for path in (work_dir / "logs").glob(f"*-{job_id}.out"))
+
+
+def losses_of(exp_dir):
+    from conftest import Run
+
+    return Run(0, "", "", exp_dir).losses
+
+
+def assert_losses_match(losses, reference_losses):
+    assert len(losses) == len(reference_losses)
+    worst = max(abs(a - b) for a, b in zip(losses, reference_losses))
+    assert worst < LOSS_TOLERANCE, f"losses differ from one node by up to {worst:.2e}"
+
+
+def run_on_nodes(commands, env, cwd, timeout=300):
+    """Start one command on each node (practice-cluster/on-node.sh, like ssh), wait for all; kill all on a hang."""
+    processes = [
+        subprocess.Popen([PRACTICE / "on-node.sh", node, *map(str, command)], env=env, cwd=cwd, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        for node, command in commands.items()
+    ]
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for process in processes:
+        try:
+            outputs.append(process.communicate(timeout=max(1, deadline - time.monotonic()))[0])
+        except subprocess.TimeoutExpired:
+            for p in processes:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            pytest.fail(f"launch on {list(commands)} hung for {timeout} s")
+    return [p.returncode for p in processes], outputs
+
+
+def test_sbatch_on_two_nodes_matches_one_node(cluster, work_dir, train_args, reference_losses):
+    env = launch_env(cluster, work_dir)
+    env.update(PROCS_PER_NODE="2", TRAIN_SCRIPT=str(TRAIN_SCRIPT))
+    (work_dir / "logs").mkdir(exist_ok=True)
+    started = time.monotonic()
+    job_id = slurm(env, "sbatch", "--parsable", CHAPTER / "job.sbatch", *map(str, train_args + batch_for(4)),
+                   "--save-dir", work_dir / "outputs", "-e", "sbatch", cwd=work_dir).strip()
+    state = wait_for_job(env, job_id)
+    log = job_log(work_dir, job_id)
+    assert state == "COMPLETED", log[-4000:]
+    print(f"sbatch job on 2 nodes x 2 processes, {STEPS} steps: {time.monotonic() - started:.1f} s")
+    assert f"on node[0-1]: 2 nodes x 2 processes, rendezvous at node0:" in log
+    assert_losses_match(losses_of(work_dir / "outputs" / "sbatch"), reference_losses)
+
+
+def test_preempted_job_checkpoints_requeues_and_matches_uninterrupted_run(cluster, work_dir, train_args,
+                                                                          reference_losses):
+    """USR1 to the batch shell (what --signal=B:USR1@120 sends before the time limit): the training stops after a
+    step with a checkpoint, the job requeues itself under the same id, and the second run resumes."""
+    env = launch_env(cluster, work_dir)
+    exp_dir = work_dir / "outputs" / "preempted"
+    command = [sys.executable, CHAPTER / "submit.py", "--nodes", "2", "--procs-per-node", "2", "--chapter", "02",
+               "--job-name", "preempt", "--", *map(str, train_args + batch_for(4)),
+               "--save-dir", work_dir / "outputs", "-e", "preempted"]
+    submitted = subprocess.run(command, env=env, cwd=work_dir, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = re.search(r"submitted job (\d+)", submitted.stdout)[1]
+
+    # the submit helper's dry run prints exactly the script Slurm stored for the job
+    dry_run = subprocess.run([*command[:2], "--dry-run", *command[2:]], env=env, cwd=work_dir,
+                             capture_output=True, text=True, timeout=60)
+    stored = slurm(env, "scontrol", "write", "batch_script", job_id, "-")
+    assert dry_run.stdout == stored
+    assert (work_dir / "logs" / f"preempt-{job_id}.sbatch").read_text() == stored
+
+    # NOTE: signal once a few steps are logged, with most of the STEPS still ahead (a step takes ~0.1 s).
+    wait_for_job(env, job_id, until=lambda: len(losses_of(exp_dir)) >= 2)
+    slurm(env, "scancel", "--signal=USR1", "--batch", job_id)
+    state = wait_for_job(env, job_id)
+    log = job_log(work_dir, job_id)
+    assert state == "COMPLETED", log[-4000:]
+    assert job_field(env, job_id, "Restarts") == "1", log[-4000:]
+    assert "got USR1: stopping the training" in log and f"requeueing job {job_id}" in log
+    resumed_at = [int(step) for step in re.findall(r"rank \d+: resumed from .* at step (\d+)", log)]
+    assert len(resumed_at) == 4 and len(set(resumed_at)) == 1 and 0 < resumed_at[0] < STEPS, log[-4000:]
+    print(f"preempted after step {resumed_at[0]} of {STEPS}, resumed after the requeue")
+    assert_losses_match(losses_of(exp_dir), reference_losses)
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_torchrun_by_hand_on_two_nodes_matches_one_node(cluster, work_dir, train_args, reference_losses,
+                                                        rendezvous):
+    env = launch_env(cluster, work_dir)
+    commands = {}
+    for node_rank, node in enumerate(["node0", "node1"]):
+        if rendezvous == "static":
+            launch = ["--node-rank", node_rank, "--master-addr", "node0", "--master-port", 29500]
+        else:
+            launch = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", "by-hand"]
+        commands[node] = ["torchrun", "--nnodes", 2, "--nproc-per-node", 1, *launch, TRAIN_SCRIPT, *train_args,
+                          *batch_for(2),
+                          "--save-dir", work_dir / "outputs", "-e", f"by-hand-{rendezvous}"]
+    returncodes, outputs = run_on_nodes(commands, env, work_dir)
+    assert returncodes == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert_losses_match(losses_of(work_dir / "outputs" / f"by-hand-{rendezvous}"), reference_losses)
+
+
+def test_mpirun_on_two_nodes_matches_one_node(cluster, work_dir, train_args, reference_losses):
+    if shutil.which("mpirun") is None:
+        pytest.skip("needs mpirun (apt-get install openmpi-bin)")
+    env = launch_env(cluster, work_dir)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    forwarded = [arg for name in ("PATH", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE",
+                                  "OMP_NUM_THREADS", "PYTHONUNBUFFERED") for arg in ("-x", name)]
+    command = ["mpirun", "-np", 2, "--host", "node0:1,node1:1", "--mca", "plm_rsh_agent",
+               PRACTICE / "node-rsh.sh", "-x", "MASTER_ADDR=node0", "-x", "MASTER_PORT=29500", *forwarded,
+               CHAPTER / "rank_env.sh", sys.executable, TRAIN_SCRIPT, *train_args, *batch_for(2),
+               "--save-dir", work_dir / "outputs", "-e", "mpirun"]
+    returncodes, outputs = run_on_nodes({"node0": command}, env, work_dir)
+    assert returncodes == [0], outputs[0][-4000:]
+    assert_losses_match(losses_of(work_dir / "outputs" / "mpirun"), reference_losses)
+
+
+def test_both_nodes_hosting_the_store_fails_with_rendezvous_timeout(cluster, work_dir, train_args):
+    """The README's mistake: each node names itself (localhost) as the rendezvous endpoint, so each hosts its own
+    store and waits for a second node that never joins it. With join_timeout=10 both fail, neither hangs."""
+    env = launch_env(cluster, work_dir)
+    command = ["torchrun", "--nnodes", 2, "--nproc-per-node", 1, "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", "localhost:29400", "--rdzv-id", "mistake", "--rdzv-conf", "join_timeout=10",
+               TRAIN_SCRIPT, *train_args, "--save-dir", work_dir / "outputs", "-e", "mistake"]
+    started = time.monotonic()
+    returncodes, outputs = run_on_nodes({"node0": command, "node1": command}, env, work_dir, timeout=180)
+    assert all(code != 0 for code in returncodes)
+    assert all("RendezvousTimeoutError" in output for output in outputs), outputs[0][-3000:]
+    print(f"both nodes failed after {time.monotonic() - started:.1f} s")
+    assert not (work_dir / "outputs" / "mistake" / "metrics.jsonl").exists()
+
+
+def submit_dry_run(*args, cwd=None):
+    return subprocess.run([sys.executable, CHAPTER / "submit.py", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=60)
+
+
+@pytest.fixture
+def script_with_parallel_sizes(tmp_path):
+    """A stand-in train_llm.py that takes --tp and --dp (the helper reads its flags, never runs it)."""
+    script = tmp_path / "train_llm.py"
+    script.write_text('parser.add_argument("--tp")\nparser.add_argument("--dp")\n')
+    return script
+
+
+@pytest.mark.parametrize("layout, message", [
+    (["--nodes", 2, "--gpus-per-node", 8, "--", "--tp", 3],
+     "error: tensor-parallel size 3 does not divide --gpus-per-node 8"),
+    (["--nodes", 2, "--gpus-per-node", 8, "--", "--tp", 4, "--dp", 2],
+     "error: dp 2 x tp 4 = 8 ranks, but --nodes 2 x --gpus-per-node 8 = 16 processes"),
+    (["--nodes", 1, "--procs-per-node", 4, "--", "--tp=8"],
+     "error: tensor-parallel size 8 does not divide --procs-per-node 4"),
+])
+def test_submit_rejects_layouts_that_do_not_fit_the_gpus(script_with_parallel_sizes, tmp_path, layout, message):
+    result = submit_dry_run("--script", script_with_parallel_sizes, "--dry-run", *layout, cwd=tmp_path)
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr
+    assert not (tmp_path / "logs").exists()
+
+
+def test_submit_rejects_a_parallel_size_the_chapter_does_not_take(tmp_path):
+    result = submit_dry_run("--nodes", 2, "--gpus-per-node", 8, "--chapter", "02", "--dry-run", "--", "--tp", 2,
+                            cwd=tmp_path)
+    assert result.returncode != 0
+    assert "02-distributed-data-parallel/train_llm.py takes no --tp" in result.stderr
+
+
+def test_submit_dry_run_writes_the_layout_into_job_sbatch(script_with_parallel_sizes, tmp_path):
+    result = submit_dry_run("--script", script_with_parallel_sizes, "--nodes", 4, "--gpus-per-node", 8,
+                            "--partition", "gpu", "--time", "4:00:00", "--dry-run", "--", "--tp", 4, "--dp", 8,
+                            "-e", "my run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    script = result.stdout
+    directives = re.findall(r"^#SBATCH (\S+)$", script, re.MULTILINE)
+    assert {"--nodes=4", "--gpus-per-node=8", "--partition=gpu", "--time=4:00:00",
+            "--signal=B:USR1@120", "--requeue", f"--output={tmp_path}/logs/%x-%j.out"} <= set(directives)
+    assert script.count("#SBATCH --nodes=") == 1
+    assert f"export TRAIN_SCRIPT={script_with_parallel_sizes}\n" in script
+    assert "set -- --tp 4 --dp 8 -e 'my run'\n" in script
+    assert "export PROCS_PER_NODE" not in script  # GPU nodes: one process per allocated GPU
+    # the body after the settings is job.sbatch's, unchanged
+    assert script.endswith((CHAPTER / "job.sbatch").read_text().split("set -uo pipefail", 1)[1])

@@ -115,6 +115,8 @@ def main():
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
+        # NOTE: read before the schedule advances, so the logged lr is the one this step used.
+        step_lr = lr_schedule.get_last_lr()[0]
         lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
@@ -133,7 +135,7 @@ def main():
                 "epoch": state["epoch"],
                 "loss": mean_loss,
                 "grad_norm": grad_norm.item(),
-                "lr": lr_schedule.get_last_lr()[0],
+                "lr": step_lr,
                 "tokens_per_s": tokens_per_s,
                 "peak_memory_gb": peak_memory_gb(device),
             }

@@ -141,10 +141,12 @@ def a_path_under_a_file(tmp_path):
 # name: (flags after common_args, or a function of tmp_path giving them; the line the user must see)
 BAD_INPUTS = {
     "unknown-model": (["-m", "no-such-org/no-such-model"], "error: cannot load model 'no-such-org/no-such-model'"),
-    "unknown-dataset": (["-d", "no-such-org/no-such-dataset"], "error: cannot load dataset 'no-such-org/no-such-dataset'"),
+    "unknown-dataset": (["-d", "no-such-org/no-such-dataset"],
+                        "error: cannot load dataset 'no-such-org/no-such-dataset'"),
     "dataset-smaller-than-a-batch": (lambda tmp: ["-d", small_dataset(tmp)], "fewer than one batch of 8"),
     "seq-length-beyond-positions": (["-s", 300], "-s/--seq-length 300 is longer than"),
     "unwritable-save-dir": (lambda tmp: ["--save-dir", a_path_under_a_file(tmp)], "error: cannot write to --save-dir"),
+    "zero-log-freq": (["--log-freq", 0], "error: argument --log-freq: 0 is not a positive integer"),
 }
 
 
@@ -187,7 +189,10 @@ def assert_fails_with_one_line(run, message, cost):
     assert run.returncode != 0
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     last_line = run.stderr.strip().splitlines()[-1]
-    assert message in last_line and last_line.startswith("error: "), run.stderr[-3000:]
+    # (argparse's own errors start with "train_llm.py: error:", after the usage lines.)
+    assert message in last_line and (last_line.startswith("error: ") or "train_llm.py: error: " in last_line), (
+        run.stderr[-3000:]
+    )
     # NOTE: each of these fails right after loading the config: ~4 s of CPU (imports, mostly). Wall time
     # depends on the machine's load (4 s idle, up to 74 s measured with four other test suites running), so
     # the bound on it only catches retry loops and waits; the CPU bound catches any real work done.

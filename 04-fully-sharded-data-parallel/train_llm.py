@@ -160,6 +160,8 @@ def main():
             # NOTE: right after the first update each rank holds its shards of all three: weights, gradients and
             # Adam's two moments. Full sizes for comparison: this rank holds about 1/N of each.
             print(f"rank {rank}: sharded_bytes {json.dumps(sharded_bytes(model, optimizer))}")
+        # NOTE: read before the schedule advances, so the logged lr is the one this step used.
+        step_lr = lr_schedule.get_last_lr()[0]
         lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
@@ -180,12 +182,13 @@ def main():
                 "epoch": state["epoch"],
                 "loss": mean_loss,
                 "grad_norm": grad_norm.item(),
-                "lr": lr_schedule.get_last_lr()[0],
+                "lr": step_lr,
                 "tokens_per_s": tokens_per_s,
                 "peak_memory_gb": peak_memory_gb(device),
             }
             if peak_flops is not None:
-                metrics["mfu"] = tokens_per_s * flops_per_token / peak_flops
+                # NOTE: tokens_per_s counts the tokens of all ranks, so the peak is that of all their GPUs.
+                metrics["mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
             if rank == 0:
                 log_metrics(metrics_path, metrics, progress)
             if args.wandb and rank == 0:

@@ -1,0 +1,278 @@
+"""Chapter 04 (FSDP2): trains the same model to the same numbers as chapters 01 and 02 while each rank holds
+1/N of the weights, gradients and optimizer state; builds a fresh model on the meta device with chapter 01's
+init; resumes exactly, also on another number of ranks; exports a Hugging Face model.
+
+The reference is chapter 01 on the whole global batch of 8 sequences for 12 steps; N ranks use -b 8/N.
+"""
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from conftest import CHAPTERS, load_weights, max_weight_diff, offline_env, run_chapter, write_tiny_model
+
+GLOBAL_BATCH = 8
+STEPS = 12
+STOP_AFTER = 3  # the interrupted run stops after this step
+# NOTE: fp32 on CPU: N ranks sum gradients in another order than one process does, so numbers agree to
+# rounding (measured 1e-6 loss, 2e-7 weights), far below what a real bug (a wrong shard, a missing
+# reduce-scatter, garbage RoPE buffers, optimizer state not restored) changes.
+LOSS_TOLERANCE = 1e-5
+WEIGHT_TOLERANCE = 1e-4
+INTERRUPT = Path(__file__).with_name("interrupt_run.py")
+
+
+@pytest.fixture(scope="module")
+def run_cache():
+    return {}
+
+
+@pytest.fixture
+def launch(run_cache, common_args, tmp_path_factory):
+    """Launch once per name in this module, so several tests share one run (each launch costs 5-15 s)."""
+
+    def launch_once(name, chapter, extra_args, nproc=None, extra_env=None, **kwargs):
+        if name not in run_cache:
+            tmp_path = tmp_path_factory.mktemp(name)
+            env = {**offline_env(tmp_path), **(extra_env or {})}
+            run_cache[name] = run_chapter(
+                chapter, [*common_args, "--max-steps", STEPS, *extra_args], tmp_path, nproc=nproc, env=env, **kwargs
+            )
+        return run_cache[name]
+
+    return launch_once
+
+
+def on(nproc):
+    return ["-b", GLOBAL_BATCH // nproc]
+
+
+@pytest.fixture
+def single_process(launch):
+    return launch("chapter-01", "01", on(1))
+
+
+@pytest.fixture
+def fsdp_two_ranks(launch):
+    return launch("fsdp-2-ranks", "04", on(2), nproc=2)
+
+
+def assert_same_training(ours, reference):
+    assert [m["step"] for m in ours.metrics] == [m["step"] for m in reference.metrics] == list(range(1, STEPS + 1))
+    for mine, theirs in zip(ours.metrics, reference.metrics):
+        assert abs(mine["loss"] - theirs["loss"]) < LOSS_TOLERANCE, (mine, theirs)
+        # NOTE: a gradient scaled by the world size can hide in the loss while clipping is active, not in the norm.
+        assert abs(mine["grad_norm"] - theirs["grad_norm"]) < 1e-4 * theirs["grad_norm"], (mine, theirs)
+    assert max_weight_diff(ours.exp_dir / "hf", reference.exp_dir / "hf") < WEIGHT_TOLERANCE
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_fsdp_matches_single_process_and_ddp(launch, single_process, nproc):
+    fsdp = launch(f"fsdp-{nproc}-ranks", "04", on(nproc), nproc=nproc)
+    ddp = launch(f"ddp-{nproc}-ranks", "02", on(nproc), nproc=nproc)
+
+    # the run trains (so agreeing numbers mean something): the loss falls well below its start
+    assert single_process.losses[-1] < single_process.losses[0] - 0.5
+    assert_same_training(fsdp, single_process)
+    assert_same_training(fsdp, ddp)
+
+
+@pytest.mark.parametrize("name,nproc,flags", [
+    ("cpu-offload", 2, ["--cpu-offload"]),
+    # HSDP: two copies of the model, each sharded over 2 ranks
+    ("hsdp-2x2", 4, ["--replicate-degree", 2]),
+])
+def test_cpu_offload_and_hsdp_match_single_process(launch, single_process, name, nproc, flags):
+    assert_same_training(launch(name, "04", [*on(nproc), *flags], nproc=nproc), single_process)
+
+
+def sharded_bytes(run):
+    """{rank: {"parameters": [local, full], "gradients": [...], "optimizer_state": [...]}} printed by each rank."""
+    lines = re.findall(r"rank (\d+): sharded_bytes (\{.*\})", run.stdout)
+    return {int(rank): json.loads(numbers) for rank, numbers in lines}
+
+
+@pytest.mark.parametrize("name,nproc,shards", [("fsdp-2-ranks", 2, 2), ("fsdp-4-ranks", 4, 4), ("hsdp-2x2", 4, 2)])
+def test_each_rank_holds_its_share_of_weights_gradients_and_optimizer_state(launch, tiny_model, name, nproc, shards):
+    flags = ["--replicate-degree", 2] if name.startswith("hsdp") else []
+    by_rank = sharded_bytes(launch(name, "04", [*on(nproc), *flags], nproc=nproc))
+    assert sorted(by_rank) == list(range(nproc))
+
+    tensors = load_weights(tiny_model)
+    model_bytes = 4 * sum(t.numel() for t in tensors.values())  # fp32
+    # NOTE: Adam keeps a step counter per parameter, a 4-byte scalar every rank holds whole.
+    step_counters = 4 * len(tensors)
+    for rank, held in by_rank.items():
+        assert held["parameters"][1] == held["gradients"][1] == model_bytes
+        assert held["optimizer_state"][1] == 2 * model_bytes + step_counters  # Adam's two moments + counters
+        # NOTE: every dimension of the tiny model divides by 2 and 4, so no shard needs padding: each rank
+        # holds exactly 1/shards.
+        assert held["parameters"][0] * shards == model_bytes, (rank, held)
+        assert held["gradients"][0] * shards == model_bytes, (rank, held)
+        assert held["optimizer_state"][0] == 2 * model_bytes // shards + step_counters, (rank, held)
+
+
+# Runs chapter 04's script unchanged (as __main__) and, at the first forward pass, compares the model it built
+# (on the meta device, then sharded, materialised and initialised) with chapter 01's: from_config on one process.
+FIRST_FORWARD_PROBE = '''
+import json, os, runpy, sys
+import torch, transformers
+
+script = os.environ["TRAIN_SCRIPT"]
+
+
+def inspect_first_forward(module, inputs):
+    if not isinstance(module, transformers.PreTrainedModel):
+        return
+    handle.remove()
+    reference = transformers.AutoModelForCausalLM.from_config(module.config, dtype=torch.float32)
+    report = {"buffers": {}, "parameters": {}}
+    for name, buffer in module.named_buffers():
+        report["buffers"][name] = torch.equal(buffer, reference.get_buffer(name))
+    for name, param in module.named_parameters():
+        full = param.full_tensor()  # NOTE: a collective: every rank runs this hook at the same point
+        half = full.shape[0] // 2
+        report["parameters"][name] = {
+            "std": full.std().item(), "reference_std": reference.get_parameter(name).std().item(),
+            "mean": full.mean().item(), "min": full.min().item(), "max": full.max().item(),
+            "row_0_max": full[0].abs().max().item(),
+            "reference_row_0_max": reference.get_parameter(name)[0].abs().max().item(),
+            "halves_equal": torch.equal(full[:half], full[half : 2 * half]),
+        }
+    if int(os.environ["RANK"]) == 0:
+        with open(os.environ["PROBE_OUT"], "w") as f:
+            json.dump(report, f)
+
+
+handle = torch.nn.modules.module.register_module_forward_pre_hook(inspect_first_forward)
+sys.argv = [script, *sys.argv[1:]]
+sys.path[0] = os.path.dirname(script)
+runpy.run_path(script, run_name="__main__")
+'''
+
+
+def test_fresh_init_matches_chapter_01s_init_and_recomputes_rope(tiny_dataset, tmp_path):
+    # NOTE: hidden 256 so each matrix has 65k+ entries: a std estimate is then good to ~0.5%.
+    wide = write_tiny_model(tmp_path / "wide", hidden_size=256, intermediate_size=512)
+    probe = tmp_path / "probe.py"
+    probe.write_text(FIRST_FORWARD_PROBE)
+    env = {**offline_env(tmp_path), "TRAIN_SCRIPT": str(CHAPTERS["04"] / "train_llm.py"),
+           "PROBE_OUT": str(tmp_path / "probe.json")}
+    run_chapter("04", ["-m", wide, "-d", tiny_dataset, "-s", 32, "-b", 4, "--max-steps", 1],
+                tmp_path, nproc=2, env=env, script=probe)
+    report = json.loads((tmp_path / "probe.json").read_text())
+
+    # RoPE's inv_freq (and original_inv_freq) are in no state dict: after to_empty they hold garbage unless
+    # recomputed. Equal to the bit.
+    assert report["buffers"] and all(report["buffers"].values()), report["buffers"]
+    for name, stats in report["parameters"].items():
+        if name.endswith("norm.weight"):
+            assert stats["min"] == stats["max"] == 1.0, (name, stats)
+            continue
+        # NOTE: HF draws every matrix from normal(0, 0.02); 5% covers the estimate's noise many times over
+        # while torch's reset_parameters (embeddings std 1.0, linears uniform with std 0.036) is far outside.
+        assert abs(stats["std"] / stats["reference_std"] - 1) < 0.05, (name, stats)
+        assert abs(stats["mean"]) < 0.1 * stats["reference_std"], (name, stats)
+        # each rank drew its own shard: the two halves are not copies of each other
+        assert not stats["halves_equal"], name
+    # HF zeroes the padding token's embedding row (pad id 0 here), also when the row sits in a shard
+    embedding = report["parameters"]["model.embed_tokens.weight"]
+    assert embedding["reference_row_0_max"] == embedding["row_0_max"] == 0
+
+
+@pytest.fixture
+def interrupted(launch):
+    """Two ranks, each sending itself SIGTERM right after optimizer step STOP_AFTER (tests/interrupt_run.py)."""
+    return launch("interrupted", "04", on(2), nproc=2, expect_ok=False, script=INTERRUPT, extra_env={
+        "TRAIN_SCRIPT": str(CHAPTERS["04"] / "train_llm.py"), "SIGTERM_AFTER_STEP": str(STOP_AFTER),
+    })
+
+
+@pytest.mark.parametrize("nproc", [2, 4, 1])
+def test_resume_from_a_two_rank_checkpoint_continues_the_uninterrupted_run(
+    interrupted, fsdp_two_ranks, common_args, tmp_path, nproc
+):
+    """Resume on the same 2 ranks, and on 4 and on 1 with -b changed to keep the global batch of 8."""
+    assert interrupted.returncode != 0
+    assert interrupted.stderr.count(f"stopped by a signal after step {STOP_AFTER};") == 2, interrupted.stderr[-3000:]
+    assert [p.name for p in (interrupted.exp_dir / "checkpoints").iterdir()] == [f"step-{STOP_AFTER:08d}"]
+
+    shutil.copytree(interrupted.exp_dir, tmp_path / "outputs" / "test")
+    resumed = run_chapter("04", [*common_args, "--max-steps", STEPS, *on(nproc)], tmp_path, nproc=nproc)
+    assert resumed.stdout.count(f"at step {STOP_AFTER}") == nproc
+    assert [m["step"] for m in resumed.metrics] == list(range(1, STEPS + 1))
+    if nproc == 2:
+        # NOTE: same world size, same operations in the same order: bit for bit the uninterrupted run, so the
+        # weights, Adam's moments and step counters, the schedule and the data position all came back.
+        assert resumed.losses == fsdp_two_ranks.losses
+        assert max_weight_diff(resumed.exp_dir / "hf", fsdp_two_ranks.exp_dir / "hf") == 0
+    else:
+        # the checkpoint was resharded on load (4 shards, or 1); sums run in another order: equal to rounding
+        assert_same_training(resumed, fsdp_two_ranks)
+
+
+def test_exported_model_is_chapter_01s_trained_model(fsdp_two_ranks, single_process, tiny_model):
+    exported, reference = fsdp_two_ranks.exp_dir / "hf", single_process.exp_dir / "hf"
+    assert load_weights(exported).keys() == load_weights(reference).keys()
+    assert json.loads((exported / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+    models = [transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+              for path in (exported, reference)]
+    input_ids = transformers.AutoTokenizer.from_pretrained(exported)(
+        ["red green blue cat dog", "bird runs sits sings"], padding=True, return_tensors="pt"
+    ).input_ids
+    with torch.no_grad():
+        logits = [model(input_ids).logits for model in models]
+    assert (logits[0] - logits[1]).abs().max() < 1e-4
+    assert max_weight_diff(exported, tiny_model) > 1e-3, "the export holds the starting weights, not the trained ones"
+
+
+def test_tied_embeddings_train_tied_and_export_once(common_args, tmp_path):
+    tied = write_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    runs = [run_chapter(chapter, [*common_args, "-m", tied, "--max-steps", STEPS, *on(nproc or 1)], tmp_path,
+                        nproc=nproc, experiment=f"chapter-{chapter}")
+            for chapter, nproc in (("01", None), ("04", 2))]
+    assert_same_training(*runs)
+    # one tensor for embeddings and lm_head, written once, as Hugging Face does
+    assert load_weights(runs[1].exp_dir / "hf").keys() == load_weights(runs[0].exp_dir / "hf").keys()
+    assert "lm_head.weight" not in load_weights(runs[1].exp_dir / "hf")
+
+
+def test_a_model_without_known_blocks_fails_with_one_line(common_args, tmp_path):
+    folder = tmp_path / "gpt"
+    transformers.OpenAIGPTConfig(vocab_size=272, n_positions=64, n_embd=32, n_layer=2, n_head=2).save_pretrained(folder)
+    transformers.ByT5Tokenizer(extra_ids=0).save_pretrained(folder)
+    started = time.monotonic()
+    run = run_chapter("04", [*common_args, "-m", folder], tmp_path, nproc=2, expect_ok=False, timeout=120)
+
+    assert run.returncode != 0
+    # both ranks exit with the message, and fast: no rank waits in a collective for the other
+    assert run.stderr.count("error: cannot find the transformer blocks of OpenAIGPTLMHeadModel to shard") == 2
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.parametrize("config_class", [
+    transformers.LlamaConfig, transformers.Qwen2Config, transformers.Qwen3Config, transformers.MistralConfig,
+    transformers.Gemma2Config,
+])
+def test_transformer_blocks_are_found_in_common_decoder_models(config_class):
+    chapter = load_chapter_04()
+    config = config_class(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                          num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    blocks = chapter.transformer_blocks(model)
+    assert [type(block).__name__.endswith("DecoderLayer") for block in blocks] == [True] * 3
+
+
+def load_chapter_04():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("chapter_04", CHAPTERS["04"] / "train_llm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -164,6 +164,8 @@ def main():
         # NOTE: every parameter is a DTensor, so the norm adds up the slices of every rank: the global norm.
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor()
         optimizer.step()
+        # NOTE: read before the schedule advances, so the logged lr is the one this step used.
+        step_lr = lr_schedule.get_last_lr()[0]
         lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
@@ -183,12 +185,13 @@ def main():
                 "epoch": state["epoch"],
                 "loss": mean_loss,
                 "grad_norm": grad_norm.item(),
-                "lr": lr_schedule.get_last_lr()[0],
+                "lr": step_lr,
                 "tokens_per_s": tokens_per_s,
                 "peak_memory_gb": peak_memory_gb(device),
             }
             if peak_flops is not None:
-                metrics["mfu"] = tokens_per_s * flops_per_token / peak_flops
+                # NOTE: tokens_per_s counts the tokens of all ranks, so the peak is that of all their GPUs.
+                metrics["mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
             if rank == 0:
                 log_metrics(metrics_path, metrics, progress)
             if args.wandb and rank == 0:

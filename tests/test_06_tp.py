@@ -152,8 +152,7 @@ def test_tied_embedding_stays_tied(fresh_init):
 
 def test_model_that_does_not_divide_fails_fast_on_every_rank(tiny_dataset, tmp_path):
     model = write_tiny_model(tmp_path / "three-heads", hidden_size=96, num_attention_heads=3, num_key_value_heads=3)
-    run = run_chapter("06", ["-m", model, "-d", tiny_dataset, "-s", 32], tmp_path, nproc=2, expect_ok=False,
-                      timeout=120)
+    run = run_chapter("06", ["-m", model, "-d", tiny_dataset, "-s", 32], tmp_path, nproc=2, expect_ok=False)
     assert run.returncode != 0
     message = ("error: tensor parallelism splits the model's 3 attention heads (num_attention_heads) over 2 ranks, "
                "but 3 does not divide by 2; launch with a --nproc_per_node that divides 3")

@@ -185,9 +185,12 @@ def test_preempted_job_checkpoints_requeues_and_matches_uninterrupted_run(cluste
     assert state == "COMPLETED", log[-4000:]
     assert job_field(env, job_id, "Restarts") == "1", log[-4000:]
     assert "got USR1: stopping the training" in log and f"requeueing job {job_id}" in log
-    resumed_at = [int(step) for step in re.findall(r"rank \d+: resumed from .* at step (\d+)", log)]
-    assert len(resumed_at) == 4 and len(set(resumed_at)) == 1 and 0 < resumed_at[0] < STEPS, log[-4000:]
-    print(f"preempted after step {resumed_at[0]} of {STEPS}, resumed after the requeue")
+    # NOTE: \S+ and not .*: the four ranks' lines can interleave on one line of the shared log.
+    resumed_at = dict(re.findall(r"rank (\d+): resumed from \S+ at step (\d+)", log))
+    assert sorted(resumed_at) == ["0", "1", "2", "3"] and len(set(resumed_at.values())) == 1, log[-4000:]
+    stopped_after = int(resumed_at["0"])
+    assert 0 < stopped_after < STEPS
+    print(f"preempted after step {stopped_after} of {STEPS}, resumed after the requeue")
     assert_losses_match(losses_of(exp_dir), reference_losses)
 
 

@@ -9,17 +9,30 @@ set -uo pipefail
 dir=$(realpath -m "${1:-${PRACTICE_CLUSTER_DIR:-/tmp/practice-cluster}}")
 [[ $EUID -eq 0 ]] || { echo "error: run as root (sudo $0)" >&2; exit 1; }
 
-# Stop the process in a pid file, if it is still the program we started there (pids get reused).
-stop_pidfile() {
-    local pidfile=$1 program=$2 pid
-    [[ -s $pidfile ]] || return 0
-    pid=$(<"$pidfile")
-    if [[ $pid =~ ^[0-9]+$ && $(cat "/proc/$pid/comm" 2>/dev/null) == "$program" ]]; then
-        kill -TERM "$pid" 2>/dev/null
-        for _ in $(seq 50); do [[ -e /proc/$pid ]] || break; sleep 0.1; done
-        kill -KILL "$pid" 2>/dev/null
-    fi
-    rm -f "$pidfile"
+# The pids in these pid files that still belong to the program we started there (pids get reused).
+our_pids() {
+    local program=$1 pidfile pid
+    shift
+    for pidfile in "$@"; do
+        [[ -s $pidfile ]] || continue
+        pid=$(<"$pidfile")
+        [[ $pid =~ ^[0-9]+$ && $(cat "/proc/$pid/comm" 2>/dev/null) == "$program" ]] && echo "$pid"
+    done
+    return 0
+}
+
+# SIGTERM, up to 10 s to exit, then SIGKILL.
+stop_pids() {
+    (($# == 0)) && return 0
+    kill -TERM "$@" 2>/dev/null
+    for _ in $(seq 100); do
+        local alive=0 pid
+        for pid in "$@"; do [[ -e /proc/$pid ]] && alive=1; done
+        ((alive)) || return 0
+        sleep 0.1
+    done
+    kill -KILL "$@" 2>/dev/null
+    return 0
 }
 
 # Kill whatever still runs inside one of our namespaces (job steps, torchrun, workers).
@@ -35,13 +48,15 @@ created=()
 namespaces=()
 for entry in "${created[@]}"; do [[ $entry == netns\ * ]] && namespaces+=("${entry#netns }"); done
 
-for node in "${namespaces[@]}"; do stop_pidfile "$dir/slurmd-$node.pid" slurmd; done
-stop_pidfile "$dir/slurmctld.pid" slurmctld
+slurmd_pidfiles=()
+for node in "${namespaces[@]}"; do slurmd_pidfiles+=("$dir/slurmd-$node.pid"); done
+daemons=($(our_pids slurmd "${slurmd_pidfiles[@]}") $(our_pids slurmctld "$dir/slurmctld.pid"))
+stop_pids "${daemons[@]}"
 for node in "${namespaces[@]}"; do kill_namespace_processes "$node" TERM; done
 sleep 0.5
 for node in "${namespaces[@]}"; do kill_namespace_processes "$node" KILL; done
-stop_pidfile "$dir/munged.pid" munged
-rm -f "$dir/munge/munged.pid"
+stop_pids $(our_pids munged "$dir/munged.pid")
+rm -f "$dir"/slurmd-*.pid "$dir/slurmctld.pid" "$dir/munged.pid" "$dir/munge/munged.pid"
 
 for entry in "${created[@]}"; do
     case $entry in

@@ -7,6 +7,7 @@ Chapter 01's script plus what DDP needs: a process group, the DDP wrapper, one s
 per rank, and rank 0 alone writing logs, checkpoints and the exported model.
 """
 import argparse
+import gc
 import json
 import math
 import os
@@ -150,6 +151,8 @@ def main():
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
+        # NOTE: read before the schedule advances, so the logged lr is the one this step used.
+        step_lr = lr_schedule.get_last_lr()[0]
         lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
@@ -170,12 +173,13 @@ def main():
                 "epoch": state["epoch"],
                 "loss": mean_loss,
                 "grad_norm": grad_norm.item(),
-                "lr": lr_schedule.get_last_lr()[0],
+                "lr": step_lr,
                 "tokens_per_s": tokens_per_s,
                 "peak_memory_gb": peak_memory_gb(device),
             }
             if peak_flops is not None:
-                metrics["mfu"] = tokens_per_s * flops_per_token / peak_flops
+                # NOTE: tokens_per_s counts the tokens of all ranks, so the peak is that of all their GPUs.
+                metrics["mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
             if rank == 0:
                 log_metrics(metrics_path, metrics, progress)
             if args.wandb and rank == 0:
@@ -193,6 +197,9 @@ def main():
         if stop_now.item():
             if rank == 0:
                 save_checkpoint(exp_dir, state, param_shapes, model.module, optimizer, lr_schedule)
+            # NOTE: the others wait for rank 0's save: once any rank exits non-zero, torchrun stops the whole
+            # job (SIGTERM, then SIGKILL after 30 s), which would cut a long save short.
+            dist.barrier()
             break
 
     progress.close()
@@ -202,7 +209,9 @@ def main():
         wandb.finish()
     # NOTE: free DDP before tearing down the process group. Left to interpreter exit, DDP's gloo/nccl state is
     # destroyed while a communication thread still waits for the GIL, and the process can hang forever.
+    # --compile keeps the wrapper in a reference cycle, which only gc.collect() frees.
     del model
+    gc.collect()
     dist.destroy_process_group()
     if state["step"] < total_steps:
         sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
@@ -218,12 +227,13 @@ def get_parser():
                         help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
                              "with a 'text' column (default: an offline synthetic corpus)")
     parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
-    parser.add_argument("-b", "--batch-size", type=int, default=8, help="sequences per step on this device")
-    parser.add_argument("-s", "--seq-length", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("-b", "--batch-size", type=positive_int, default=8, help="sequences per step on this device")
+    parser.add_argument("-s", "--seq-length", type=positive_int, default=128, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (default: epochs)")
-    parser.add_argument("--num-epochs", type=int, default=1)
+    parser.add_argument("--max-steps", type=positive_int, default=None,
+                        help="stop after this many steps (default: epochs)")
+    parser.add_argument("--num-epochs", type=positive_int, default=1)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -233,10 +243,17 @@ def get_parser():
     parser.add_argument("-e", "--experiment-name", default="default",
                         help="name of the run; relaunching the same name resumes it")
     parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")
-    parser.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
-    parser.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--ckpt-freq", type=positive_int, default=100, help="save a checkpoint every this many steps")
+    parser.add_argument("--log-freq", type=positive_int, default=10, help="log metrics every this many steps")
     parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
     return parser
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
 
 
 def make_experiment_dir(save_dir, experiment_name):

@@ -67,6 +67,8 @@ def main():
     args = parser.parse_args()
 
     script = (args.script or CHAPTERS[args.chapter] / "train_llm.py").resolve()
+    # NOTE: a SIGTERM (e.g. from `timeout`) must still run the finally below, or the spinners keep spinning.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(args.spinners)]
     for spinner in spinners:
         spinner.start()

@@ -227,12 +227,13 @@ def get_parser():
                         help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
                              "with a 'text' column (default: an offline synthetic corpus)")
     parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
-    parser.add_argument("-b", "--batch-size", type=int, default=8, help="sequences per step on this device")
-    parser.add_argument("-s", "--seq-length", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("-b", "--batch-size", type=positive_int, default=8, help="sequences per step on this device")
+    parser.add_argument("-s", "--seq-length", type=positive_int, default=128, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (default: epochs)")
-    parser.add_argument("--num-epochs", type=int, default=1)
+    parser.add_argument("--max-steps", type=positive_int, default=None,
+                        help="stop after this many steps (default: epochs)")
+    parser.add_argument("--num-epochs", type=positive_int, default=1)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -241,22 +242,29 @@ def get_parser():
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--cpu-offload", action="store_true",
                         help="keep the sharded weights, gradients and optimizer state in CPU memory")
-    parser.add_argument("--replicate-degree", type=int, default=1,
+    parser.add_argument("--replicate-degree", type=positive_int, default=1,
                         help="HSDP: shard within groups of WORLD_SIZE/R ranks (e.g. a node), replicate across R groups")
     parser.add_argument("-e", "--experiment-name", default="default",
                         help="name of the run; relaunching the same name resumes it")
     parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")
-    parser.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
-    parser.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--ckpt-freq", type=positive_int, default=100, help="save a checkpoint every this many steps")
+    parser.add_argument("--log-freq", type=positive_int, default=10, help="log metrics every this many steps")
     parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
     return parser
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
 
 
 def make_device_mesh(device, world_size, replicate_degree):
     """The ranks as a grid. FSDP shards every weight over the "shard" dimension. HSDP (--replicate-degree R)
     keeps R copies of the model, each sharded over WORLD_SIZE / R ranks (one node, say), so the all-gathers
     stay inside a node and only gradients cross nodes (all-reduced between the copies)."""
-    if replicate_degree < 1 or world_size % replicate_degree:
+    if world_size % replicate_degree:
         sys.exit(
             f"error: --replicate-degree {replicate_degree} does not divide the {world_size} ranks; "
             "pass a divisor of the number of ranks, such as the number of nodes"

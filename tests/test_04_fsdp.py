@@ -7,7 +7,6 @@ The reference is chapter 01 on the whole global batch of 8 sequences for 12 step
 import json
 import re
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -246,13 +245,14 @@ def test_a_model_without_known_blocks_fails_with_one_line(common_args, tmp_path)
     folder = tmp_path / "gpt"
     transformers.OpenAIGPTConfig(vocab_size=272, n_positions=64, n_embd=32, n_layer=2, n_head=2).save_pretrained(folder)
     transformers.ByT5Tokenizer(extra_ids=0).save_pretrained(folder)
-    started = time.monotonic()
-    run = run_chapter("04", [*common_args, "-m", folder], tmp_path, nproc=2, expect_ok=False, timeout=120)
+    # (GPT-1 has no sdpa attention: eager, so that building it succeeds and finding its blocks is what fails)
+    run = run_chapter("04", [*common_args, "-m", folder, "--attn-implementation", "eager"], tmp_path, nproc=2,
+                      expect_ok=False, timeout=240)
 
     assert run.returncode != 0
-    # both ranks exit with the message, and fast: no rank waits in a collective for the other
+    # every rank stops with the message (a rank that went on would wait for the other in a collective until
+    # run_chapter's timeout)
     assert run.stderr.count("error: cannot find the transformer blocks of OpenAIGPTLMHeadModel to shard") == 2
-    assert time.monotonic() - started < 60
 
 
 @pytest.mark.parametrize("config_class", [

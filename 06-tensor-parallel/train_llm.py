@@ -234,12 +234,13 @@ def get_parser():
                         help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
                              "with a 'text' column (default: an offline synthetic corpus)")
     parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
-    parser.add_argument("-b", "--batch-size", type=int, default=8, help="sequences per step on this device")
-    parser.add_argument("-s", "--seq-length", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("-b", "--batch-size", type=positive_int, default=8, help="sequences per step on this device")
+    parser.add_argument("-s", "--seq-length", type=positive_int, default=128, help="tokens per sequence")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, default=20)
-    parser.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (default: epochs)")
-    parser.add_argument("--num-epochs", type=int, default=1)
+    parser.add_argument("--max-steps", type=positive_int, default=None,
+                        help="stop after this many steps (default: epochs)")
+    parser.add_argument("--num-epochs", type=positive_int, default=1)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
@@ -249,10 +250,17 @@ def get_parser():
     parser.add_argument("-e", "--experiment-name", default="default",
                         help="name of the run; relaunching the same name resumes it")
     parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")
-    parser.add_argument("--ckpt-freq", type=int, default=100, help="save a checkpoint every this many steps")
-    parser.add_argument("--log-freq", type=int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--ckpt-freq", type=positive_int, default=100, help="save a checkpoint every this many steps")
+    parser.add_argument("--log-freq", type=positive_int, default=10, help="log metrics every this many steps")
     parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
     return parser
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
 
 
 def make_experiment_dir(save_dir, experiment_name):

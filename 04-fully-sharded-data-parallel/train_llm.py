@@ -214,7 +214,11 @@ def main():
         wandb.finish()
     dist.destroy_process_group()
     if state["step"] < total_steps:
-        sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
+        # NOTE: exit 1 without the interpreter's teardown, for the reason given at the end of this file.
+        print(f"stopped by a signal after step {state['step']}; relaunch the same command to resume", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def get_parser():

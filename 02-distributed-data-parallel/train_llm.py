@@ -273,19 +273,20 @@ def load_config_and_tokenizer(args):
     if args.model_name is None:
         if args.from_pretrained:
             sys.exit("error: --from-pretrained needs -m/--model-name (the default tiny model has no weights)")
-        return tiny_llama_config(), transformers.ByT5Tokenizer(extra_ids=0)
-    try:
-        config = transformers.AutoConfig.from_pretrained(args.model_name)
-        tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name)
-    except Exception as error:
-        sys.exit(
-            f"error: cannot load model {args.model_name!r} ({first_line(error)}); pass a Hugging Face model id "
-            "or a local folder with config.json and a tokenizer"
-        )
+        config, tokenizer = tiny_llama_config(), transformers.ByT5Tokenizer(extra_ids=0)
+    else:
+        try:
+            config = transformers.AutoConfig.from_pretrained(args.model_name)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name)
+        except Exception as error:
+            sys.exit(
+                f"error: cannot load model {args.model_name!r} ({first_line(error)}); pass a Hugging Face model id "
+                "or a local folder with config.json and a tokenizer"
+            )
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and args.seq_length > max_positions:
         sys.exit(
-            f"error: -s/--seq-length {args.seq_length} is longer than {args.model_name}'s "
+            f"error: -s/--seq-length {args.seq_length} is longer than {args.model_name or 'the tiny model'}'s "
             f"{max_positions} positions; pass -s {max_positions} or less"
         )
     return config, tokenizer

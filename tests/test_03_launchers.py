@@ -1,6 +1,6 @@
 """Chapter 03: chapter 02's script launched on a real two-node Slurm cluster (two network namespaces on this
-machine, practice-cluster/up.sh) by sbatch, by torchrun by hand, by mpirun; preemption and requeue; a
-launch mistake; and the submit helper's checks.
+machine, practice-cluster/up.sh) by sbatch, by torchrun by hand, by ssh_launch.sh, by mpirun; preemption and
+requeue; a launch mistake; and the submit helper's checks.
 
 Every multi-node run trains a global batch of 8 sequences (2 nodes x 2 processes x -b 2 under Slurm; 2 nodes
 x 1 process x -b 4 by hand, to save process start-ups) and must log the per-step losses of one node running 4
@@ -125,10 +125,16 @@ def assert_losses_match(losses, reference_losses):
 
 def run_on_nodes(commands, env, cwd, timeout=300):
     """Start one command on each node (practice-cluster/on-node.sh, like ssh), wait for all; kill all on a hang."""
+    return run_all([[PRACTICE / "on-node.sh", node, *command] for node, command in commands.items()], env, cwd,
+                   timeout)
+
+
+def run_all(commands, env, cwd, timeout=300):
+    """Start the commands, wait for all; kill all of them (their process groups) on a hang."""
     processes = [
-        subprocess.Popen([PRACTICE / "on-node.sh", node, *map(str, command)], env=env, cwd=cwd, text=True,
+        subprocess.Popen(list(map(str, command)), env=env, cwd=cwd, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        for node, command in commands.items()
+        for command in commands
     ]
     deadline = time.monotonic() + timeout
     outputs = []
@@ -139,7 +145,7 @@ def run_on_nodes(commands, env, cwd, timeout=300):
             for p in processes:
                 if p.poll() is None:
                     os.killpg(p.pid, signal.SIGKILL)
-            pytest.fail(f"launch on {list(commands)} hung for {timeout} s")
+            pytest.fail(f"{[str(command[0]) for command in commands]} hung for {timeout} s")
     return [p.returncode for p in processes], outputs
 
 
@@ -211,6 +217,22 @@ def test_torchrun_by_hand_on_two_nodes_matches_one_node(cluster, work_dir, train
     returncodes, outputs = run_on_nodes(commands, env, work_dir)
     assert returncodes == [0, 0], "\n".join(o[-3000:] for o in outputs)
     assert_losses_match(losses_of(work_dir / "outputs" / f"by-hand-{rendezvous}"), reference_losses)
+
+
+def test_ssh_launch_over_a_hosts_file_matches_one_node(cluster, work_dir, train_args, reference_losses):
+    """ssh_launch.sh: one ssh per line of the hosts file, each running torchrun with its node rank (static)."""
+    ssh_config = cluster / "ssh" / "config"
+    if not ssh_config.exists():
+        pytest.skip("needs sshd on the practice cluster (apt-get install openssh-server openssh-client)")
+    env = launch_env(cluster, work_dir)
+    env["SSH"] = f"ssh -F {ssh_config}"
+    (work_dir / "hosts").write_text("node0\nnode1\n")
+    started = time.monotonic()
+    returncodes, outputs = run_all([[CHAPTER / "ssh_launch.sh", "hosts", 1, TRAIN_SCRIPT, *train_args,
+                                     *batch_for(2), "--save-dir", work_dir / "outputs", "-e", "ssh"]], env, work_dir)
+    assert returncodes == [0], outputs[0][-4000:]
+    print(f"ssh_launch.sh on 2 nodes x 1 process, {STEPS} steps: {time.monotonic() - started:.1f} s")
+    assert_losses_match(losses_of(work_dir / "outputs" / "ssh"), reference_losses)
 
 
 def test_mpirun_on_two_nodes_matches_one_node(cluster, work_dir, train_args, reference_losses):

@@ -50,13 +50,16 @@ for entry in "${created[@]}"; do [[ $entry == netns\ * ]] && namespaces+=("${ent
 
 slurmd_pidfiles=()
 for node in "${namespaces[@]}"; do slurmd_pidfiles+=("$dir/slurmd-$node.pid"); done
-daemons=($(our_pids slurmd "${slurmd_pidfiles[@]}") $(our_pids slurmctld "$dir/slurmctld.pid"))
+sshd_pidfiles=()
+for node in "${namespaces[@]}"; do sshd_pidfiles+=("$dir/sshd-$node.pid"); done
+daemons=($(our_pids slurmd "${slurmd_pidfiles[@]}") $(our_pids slurmctld "$dir/slurmctld.pid")
+    $(our_pids sshd "${sshd_pidfiles[@]}"))
 stop_pids "${daemons[@]}"
 for node in "${namespaces[@]}"; do kill_namespace_processes "$node" TERM; done
 sleep 0.5
 for node in "${namespaces[@]}"; do kill_namespace_processes "$node" KILL; done
 stop_pids $(our_pids munged "$dir/munged.pid")
-rm -f "$dir"/slurmd-*.pid "$dir/slurmctld.pid" "$dir/munged.pid" "$dir/munge/munged.pid"
+rm -f "$dir"/slurmd-*.pid "$dir"/sshd-*.pid "$dir/slurmctld.pid" "$dir/munged.pid" "$dir/munge/munged.pid"
 
 for entry in "${created[@]}"; do
     case $entry in

@@ -10,6 +10,7 @@
 # Both nodes see this machine's filesystem, like a cluster's shared home directory. Nothing leaves the
 # machine: no default route, no forwarding, and the only addresses used are the ones created here.
 # Needs root and: apt-get install slurmctld slurmd slurm-client munge iproute2 util-linux
+# With openssh-server installed, each node also runs an sshd: ssh -F STATE_DIR/ssh/config node1
 set -euo pipefail
 
 dir=$(realpath -m "${1:-${PRACTICE_CLUSTER_DIR:-/tmp/practice-cluster}}")
@@ -32,7 +33,7 @@ done
 # NOTE: from here on, any failure tears down whatever was started, so a failed up leaves nothing behind.
 trap 'echo "up.sh failed; tearing down" >&2; "$here/down.sh" "$dir" >&2' ERR
 mkdir -p "$dir"
-rm -rf "$dir"/ctld "$dir"/slurmd-* "$dir"/tmp-* "$dir"/munge
+rm -rf "$dir"/ctld "$dir"/slurmd-* "$dir"/tmp-* "$dir"/munge "$dir"/ssh
 mkdir -p "$dir/ctld"
 : >"$dir/created"   # down.sh removes only what is listed here
 
@@ -127,7 +128,42 @@ done
     sinfo -N >&2
     false
 }
+
+# --- ssh into the nodes (if openssh-server is installed): one sshd per node, on that node's address only ---
+if [[ -x /usr/sbin/sshd ]] && command -v ssh-keygen >/dev/null; then
+    mkdir -p "$dir/ssh" /run/sshd   # NOTE: sshd refuses to start without its privilege-separation folder
+    ssh-keygen -q -t ed25519 -N '' -C practice-cluster-host -f "$dir/ssh/host_key"
+    ssh-keygen -q -t ed25519 -N '' -C practice-cluster-user -f "$dir/ssh/id_ed25519"
+    cp "$dir/ssh/id_ed25519.pub" "$dir/ssh/authorized_keys"
+    {
+        for i in "${!nodes[@]}"; do printf 'Host %s\n    HostName 10.200.0.%d\n' "${nodes[$i]}" $((i + 1)); done
+        # NOTE: a fresh host key on every up.sh: no known_hosts to keep, so no host key checking.
+        printf 'Host *\n    User root\n    IdentityFile %s\n' "$dir/ssh/id_ed25519"
+        printf '    IdentitiesOnly yes\n    BatchMode yes\n'
+        printf '    StrictHostKeyChecking no\n    UserKnownHostsFile /dev/null\n    LogLevel ERROR\n'
+    } >"$dir/ssh/config"
+    for i in "${!nodes[@]}"; do
+        node=${nodes[$i]}
+        cat >"$dir/ssh/sshd_config-$node" <<CONF
+ListenAddress 10.200.0.$((i + 1))
+HostKey $dir/ssh/host_key
+PidFile $dir/sshd-$node.pid
+AuthorizedKeysFile $dir/ssh/authorized_keys
+# NOTE: the state folder may sit in /tmp, which StrictModes rejects as a home for authorized_keys.
+StrictModes no
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+PrintMotd no
+PrintLastLog no
+CONF
+        # NOTE: started inside the node (its network, hostname and /etc/hosts), so ssh sessions get them too.
+        PRACTICE_CLUSTER_DIR=$dir "$here/on-node.sh" "$node" /usr/sbin/sshd -f "$dir/ssh/sshd_config-$node"
+    done
+fi
 trap - ERR
 sinfo -N
 echo "practice cluster up; state, logs and pid files in $dir"
 echo "use it with:  source $dir/env.sh   (sets SLURM_CONF)"
+if [[ -e $dir/ssh/config ]]; then echo "ssh to a node:  ssh -F $dir/ssh/config node1"; fi

@@ -159,7 +159,8 @@ def main():
         if state["step"] == first_step:
             # NOTE: right after the first update each rank holds its shards of all three: weights, gradients and
             # Adam's two moments. Full sizes for comparison: this rank holds about 1/N of each.
-            print(f"rank {rank}: sharded_bytes {json.dumps(sharded_bytes(model, optimizer))}")
+            # NOTE: one write with its newline, so two ranks' lines on one terminal cannot interleave.
+            sys.stdout.write(f"rank {rank}: sharded_bytes {json.dumps(sharded_bytes(model, optimizer))}\n")
         # NOTE: read before the schedule advances, so the logged lr is the one this step used.
         step_lr = lr_schedule.get_last_lr()[0]
         lr_schedule.step()

@@ -2,7 +2,7 @@
 
     python submit.py --nodes 4 --gpus-per-node 8 --partition gpu --time 4:00:00 --chapter 02 -- -e my-run
     python submit.py --nodes 2 --procs-per-node 2 --chapter 02 --dry-run -- -e cpu-run    # nodes without GPUs
-    python submit.py --nodes 2 --gpus-per-node 8 --chapter 07 -- --tp 4 -e big-run      # checks 4 divides 8
+    python submit.py --nodes 2 --gpus-per-node 8 --script my_2d/train_llm.py -- --tp 4    # checks 4 divides 8
 
 Arguments after `--` go to train_llm.py. The script submitted is job.sbatch with this job's #SBATCH options and
 arguments written in; it is kept as logs/<job-name>-<job-id>.sbatch beside the job's log, so `sbatch` of that
@@ -93,13 +93,16 @@ def find_train_script(args):
         if not script.is_file():
             sys.exit(f"error: --script {args.script} does not exist; pass the path of a train_llm.py")
         return script
-    chapter = args.chapter.split("-")[0]
+    chapter = args.chapter.split("-")[0].zfill(2)
     if chapter == "01":
         sys.exit("error: chapter 01 trains on one device without torchrun; pass --chapter 02 or later")
     found = sorted(ROOT.glob(f"{chapter}-*/train_llm.py"))
     if not found:
-        chapters = sorted(p.parent.name for p in ROOT.glob("*/train_llm.py"))
-        sys.exit(f"error: no chapter {args.chapter!r} with a train_llm.py; pass one of {', '.join(chapters)}")
+        # NOTE: chapters are added over time: name the ones this checkout has, not the ones planned.
+        chapters = sorted(p.parent.name for p in ROOT.glob("[0-9][0-9]-*/train_llm.py"))
+        listed = ", ".join(f"{name[:2]} ({name})" for name in chapters if not name.startswith("01"))
+        sys.exit(f"error: no chapter {args.chapter!r} with a train_llm.py (planned chapters have none yet); "
+                 f"pass one of: {listed}")
     return found[0]
 
 

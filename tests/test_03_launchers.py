@@ -1,12 +1,14 @@
 """Chapter 03: chapter 02's script launched on a real two-node Slurm cluster (two network namespaces on this
 machine, practice-cluster/up.sh) by sbatch, by torchrun by hand, by ssh_launch.sh, by mpirun; preemption and
-requeue; a launch mistake; and the submit helper's checks.
+requeue; a crashed worker restarted within the job; a launch mistake; how many processes job.sbatch starts on
+nodes with GPUs (fake nvidia-smi, no cluster); and the submit helper's checks.
 
 Every multi-node run trains a global batch of 8 sequences (2 nodes x 2 processes x -b 2 under Slurm; 2 nodes
 x 1 process x -b 4 by hand, to save process start-ups) and must log the per-step losses of one node running 4
 processes (run_chapter("02", nproc=4)) within 1e-5: fp32, the same samples in each step, only the reduction
 order of the all-reduce differs (measured differences are below 1e-6).
 """
+import json
 import os
 import re
 import shutil
@@ -92,7 +94,7 @@ def job_field(env, job_id, field):
     return match[1]
 
 
-def wait_for_job(env, job_id, timeout=400, until=None):
+def wait_for_job(env, job_id, timeout=400, until=None, poll=0.5):
     """Poll the job (every 0.5 s, sooner than sbatch --wait) until it has ended, or `until()` holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -101,7 +103,7 @@ def wait_for_job(env, job_id, timeout=400, until=None):
         state = job_field(env, job_id, "JobState")
         if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"):
             return state
-        time.sleep(0.5)
+        time.sleep(poll)
     subprocess.run(["scancel", job_id], env=env, timeout=60)
     pytest.fail(f"job {job_id} still {job_field(env, job_id, 'JobState')} after {timeout} s")
 
@@ -114,6 +116,15 @@ def losses_of(exp_dir):
     from conftest import Run
 
     return Run(0, "", "", exp_dir).losses
+
+
+def losses_by_step(exp_dir):
+    """{step: loss} from metrics.jsonl, the last line of a step winning (a resumed run logs its steps again);
+    only complete lines, so it can be read while the job writes."""
+    path = exp_dir / "metrics.jsonl"
+    text = path.read_text() if path.exists() else ""
+    metrics = [json.loads(line) for line in text[: text.rfind("\n") + 1].splitlines() if line.strip()]
+    return {m["step"]: m["loss"] for m in metrics}
 
 
 def assert_losses_match(losses, reference_losses):
@@ -160,8 +171,59 @@ def test_sbatch_on_two_nodes_matches_one_node(cluster, work_dir, train_args, ref
     log = job_log(work_dir, job_id)
     assert state == "COMPLETED", log[-4000:]
     print(f"sbatch job on 2 nodes x 2 processes, {STEPS} steps: {time.monotonic() - started:.1f} s")
-    assert f"on node[0-1]: 2 nodes x 2 processes, rendezvous at node0:" in log
+    assert f"on node[0-1]: 2 nodes, rendezvous at node0:" in log
+    # NOTE: each node counts its own GPUs (none here) and falls back to PROCS_PER_NODE; 4 ranks at -b 2 are
+    # also what makes the losses match the one-node run of 4 processes.
+    assert all(f"{node}: 0 GPUs: torchrun --nproc-per-node=2\n" in log for node in ("node0", "node1")), log[-4000:]
     assert_losses_match(losses_of(work_dir / "outputs" / "sbatch"), reference_losses)
+
+
+def worker_pid(experiment, rank):
+    """The pid of the training process with this global rank (torchrun's environment) in this experiment."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if experiment.encode() in argv and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+def test_crashed_worker_is_restarted_from_the_checkpoint_within_the_job(cluster, work_dir, train_args,
+                                                                       reference_losses):
+    """SIGKILL one worker mid-job: torchrun (--max-restarts) starts the workers of both nodes again in the same
+    allocation, they resume from the newest checkpoint, and the job ends like an uninterrupted run."""
+    env = launch_env(cluster, work_dir)
+    env.update(PROCS_PER_NODE="2", TRAIN_SCRIPT=str(TRAIN_SCRIPT))
+    (work_dir / "logs").mkdir(exist_ok=True)
+    exp_dir = work_dir / "outputs" / "crashed"
+    ckpt_freq = 4
+    job_id = slurm(env, "sbatch", "--parsable", CHAPTER / "job.sbatch", *map(str, train_args + batch_for(4)),
+                   "--ckpt-freq", str(ckpt_freq), "--save-dir", work_dir / "outputs", "-e", "crashed",
+                   cwd=work_dir).strip()
+    # NOTE: kill once a checkpoint is written (step 4 is logged before it is saved, so wait for step 5), with
+    # most of the STEPS still ahead (a step takes ~0.1 s: poll often). Rank 3: not rank 0, which saves.
+    wait_for_job(env, job_id, until=lambda: len(losses_by_step(exp_dir)) > ckpt_freq, poll=0.05)
+    victim = worker_pid("crashed", rank=3)
+    assert victim is not None, f"no rank 3 left to kill: the job ran ahead\n{job_log(work_dir, job_id)[-4000:]}"
+    killed_after = len(losses_by_step(exp_dir))
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    state = wait_for_job(env, job_id)
+    log = job_log(work_dir, job_id)
+    assert state == "COMPLETED" and job_field(env, job_id, "ExitCode") == "0:0", log[-4000:]
+    assert job_field(env, job_id, "Restarts") == "0", log[-4000:]  # no requeue: the same allocation
+    resumed_at = dict(re.findall(r"rank (\d+): resumed from \S+ at step (\d+)", log))
+    assert sorted(resumed_at) == ["0", "1", "2", "3"] and len(set(resumed_at.values())) == 1, log[-4000:]
+    resumed_step = int(resumed_at["0"])
+    assert 0 < resumed_step < STEPS and resumed_step % ckpt_freq == 0
+    print(f"rank 3 killed after step {killed_after}; all ranks restarted from step {resumed_step}; job done "
+          f"{time.monotonic() - killed_at:.1f} s after the kill")
+    losses = losses_by_step(exp_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert_losses_match([losses[step] for step in sorted(losses)], reference_losses)
 
 
 def test_preempted_job_checkpoints_requeues_and_matches_uninterrupted_run(cluster, work_dir, train_args,
@@ -266,6 +328,52 @@ def test_both_nodes_hosting_the_store_fails_with_rendezvous_timeout(cluster, wor
     assert not (work_dir / "outputs" / "mistake" / "metrics.jsonl").exists()
 
 
+FAKE_TOOLS = {
+    # NOTE: srun starts the command once per node of FAKE_NODES ("node0:8 node1:8": name and GPU count).
+    "srun": """#!/bin/bash
+while [[ $1 == --* ]]; do shift; done
+for node in $FAKE_NODES; do FAKE_NODE=${node%:*} FAKE_GPUS=${node#*:} "$@" & done
+wait
+""",
+    "scontrol": "#!/bin/bash\necho node0\n",
+    "hostname": "#!/bin/bash\necho $FAKE_NODE\n",
+    # NOTE: what nvidia-smi -L prints on a node with FAKE_GPUS GPUs (and on one with none).
+    "nvidia-smi": """#!/bin/bash
+((FAKE_GPUS > 0)) || { echo "No devices were found"; exit 6; }
+for ((i = 0; i < FAKE_GPUS; i++)); do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID: GPU-$FAKE_NODE-$i)"; done
+""",
+    "torchrun": "#!/bin/bash\necho \"$FAKE_NODE: torchrun $*\"\n",
+}
+
+
+@pytest.mark.parametrize("nodes, env, gpus, procs", [
+    ("node0:8 node1:8", {}, 8, 8),  # sbatch --nodes=2 job.sbatch on 8-GPU nodes: no SLURM_GPUS_ON_NODE
+    ("node0:8 node1:8", {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}, 4, 4),  # a job given 4 of a node's 8 GPUs
+    ("node0:8 node1:8", {"PROCS_PER_NODE": "2"}, 8, 8),  # PROCS_PER_NODE is for nodes without GPUs
+    ("node0:0 node1:0", {"PROCS_PER_NODE": "2"}, 0, 2),  # nodes without GPUs, like the practice cluster's
+    ("node0:0 node1:0", {}, 0, 1),
+])
+def test_job_sbatch_starts_one_process_per_gpu_on_each_node(tmp_path, nodes, env, gpus, procs):
+    """job.sbatch with stand-ins for srun (one task per node), scontrol, hostname, nvidia-smi and torchrun
+    (which prints its arguments): what each node's torchrun is told to start."""
+    for tool, text in FAKE_TOOLS.items():
+        (tmp_path / tool).write_text(text)
+        (tmp_path / tool).chmod(0o755)
+    ours = ("CUDA_VISIBLE_DEVICES", "PROCS_PER_NODE", "MAX_RESTARTS")
+    base = {name: value for name, value in os.environ.items() if name not in ours and not name.startswith("SLURM")}
+    result = subprocess.run(
+        ["bash", CHAPTER / "job.sbatch", "-e", "my-run"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={**base, "PATH": f"{tmp_path}:{os.environ['PATH']}", "FAKE_NODES": nodes, "SLURM_JOB_ID": "42",
+             "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_NNODES": "2", "SLURM_SUBMIT_DIR": str(tmp_path), **env},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    launches = sorted(re.findall(r"^(node\d): torchrun (.*)$", result.stdout, re.MULTILINE))
+    assert [node for node, _ in launches] == ["node0", "node1"], result.stdout
+    for node, args in launches:
+        assert args.startswith(f"--nproc-per-node={procs} --nnodes=2 --max-restarts=3 "), result.stdout
+        assert f"\n{node}: {gpus} GPUs: torchrun --nproc-per-node={procs}\n" in result.stdout
+
+
 def submit_dry_run(*args, cwd=None):
     return subprocess.run([sys.executable, CHAPTER / "submit.py", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=60)
@@ -299,6 +407,18 @@ def test_submit_rejects_a_parallel_size_the_chapter_does_not_take(tmp_path):
                             cwd=tmp_path)
     assert result.returncode != 0
     assert "02-distributed-data-parallel/train_llm.py takes no --tp" in result.stderr
+
+
+def test_submit_names_the_chapters_that_exist_when_asked_for_one_that_does_not(tmp_path):
+    result = submit_dry_run("--nodes", 2, "--chapter", "99", "--dry-run", cwd=tmp_path)
+    assert result.returncode != 0
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: no chapter '99' with a train_llm.py"), result.stderr
+    chapters = [p.parent.name for p in CHAPTER.parent.glob("[0-9][0-9]-*/train_llm.py")]
+    assert "02-distributed-data-parallel" in chapters
+    for chapter in chapters:
+        # NOTE: chapter 01 runs without torchrun, so it is not offered.
+        assert (f"{chapter[:2]} ({chapter})" in message) == (not chapter.startswith("01")), message
 
 
 def test_submit_dry_run_writes_the_layout_into_job_sbatch(script_with_parallel_sizes, tmp_path):

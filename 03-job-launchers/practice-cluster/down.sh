@@ -3,7 +3,7 @@
 # process still running inside its node namespaces (jobs), the namespaces and the bridge it created.
 # Safe to run twice, and after a failed up.sh. The state folder (logs, slurm.conf) is kept for reading.
 #
-#   sudo practice-cluster/down.sh [STATE_DIR]    # default: $PRACTICE_CLUSTER_DIR or /tmp/practice-cluster
+#   practice-cluster/down.sh [STATE_DIR]    # as root; default $PRACTICE_CLUSTER_DIR or /tmp/practice-cluster
 set -uo pipefail
 
 dir=$(realpath -m "${1:-${PRACTICE_CLUSTER_DIR:-/tmp/practice-cluster}}")

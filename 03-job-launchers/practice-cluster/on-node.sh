@@ -2,7 +2,7 @@
 # Run a command "on" one node of the practice cluster: inside its network, hostname and /etc/hosts, in the
 # current folder (both nodes see this machine's files), like `ssh nodeX 'cd $PWD && ...'` on a real cluster.
 #
-#   sudo practice-cluster/on-node.sh node1 hostname -I
+#   practice-cluster/on-node.sh node1 hostname -I       # as root
 set -euo pipefail
 dir=$(realpath -m "${PRACTICE_CLUSTER_DIR:-/tmp/practice-cluster}")
 node=${1:?usage: on-node.sh NODE COMMAND [ARGS...]}

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Bring up a real two-node Slurm cluster on this one Linux machine, to practise multi-node launches.
 #
-#   sudo practice-cluster/up.sh [STATE_DIR]      # default: $PRACTICE_CLUSTER_DIR or /tmp/practice-cluster
+# As root:
+#   practice-cluster/up.sh [STATE_DIR]           # default: $PRACTICE_CLUSTER_DIR or /tmp/practice-cluster
 #   export SLURM_CONF=STATE_DIR/slurm.conf       # then sbatch, srun, squeue, scontrol talk to it
-#   sudo practice-cluster/down.sh [STATE_DIR]
+#   practice-cluster/down.sh [STATE_DIR]
 #
 # Each "node" is a network namespace (node0 = 10.200.0.1, node1 = 10.200.0.2) on a bridge br-tut
 # (10.200.0.254, the controller's address), with its own hostname and /etc/hosts, running its own slurmd.
@@ -55,10 +56,18 @@ for i in "${!nodes[@]}"; do
 done
 # NOTE: each node resolves its own and the other's name to the bridge address, as cluster DNS would. A node
 # whose name resolves to 127.0.x.x (Debian's default /etc/hosts) is the classic multi-node hang.
+# NOTE: the ::ffff: lines name the same addresses as the IPv6 sockets see them. c10d's store listens on one
+# socket for IPv6 and IPv4, so it sees a client at 10.200.0.2 as ::ffff:10.200.0.2 and looks that up to name
+# it. glibc's /etc/hosts lookup does not map it back to 10.200.0.2 and asks DNS, which the namespaces cannot
+# reach: without these lines every launch warns "[c10d] The hostname of the client socket cannot be
+# retrieved. err=-3" (EAI_AGAIN, a failed DNS lookup).
 {
-    echo "127.0.0.1 localhost"
-    echo "$controller_addr $(hostname)"
-    for i in "${!nodes[@]}"; do echo "10.200.0.$((i + 1)) ${nodes[$i]}"; done
+    for prefix in "" "::ffff:"; do
+        echo "${prefix}127.0.0.1 localhost"
+        echo "$prefix$controller_addr $(hostname)"
+        for i in "${!nodes[@]}"; do echo "${prefix}10.200.0.$((i + 1)) ${nodes[$i]}"; done
+    done
+    echo "::1 localhost"
 } >"$dir/hosts"
 
 # --- munge: authenticates every Slurm message; its own key, socket and daemon for this cluster ---

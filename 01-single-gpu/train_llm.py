@@ -10,11 +10,12 @@ import json
 import math
 import os
 import random
+import resource
 import shutil
 import signal
 import sys
-import threading
 import time
+import zlib
 from contextlib import nullcontext
 
 import datasets
@@ -27,13 +28,18 @@ from tqdm import tqdm
 
 def main():
     args = get_parser().parse_args()
+    # Schedulers (Slurm preemption, time limits) send a signal before they kill a job, and Ctrl-C sends SIGINT:
+    # we finish the current step, save a checkpoint and exit, so a relaunch of the same command loses nothing.
+    stop_signals = []
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(stop_signal, lambda signum, frame: request_stop(stop_signals, signum))
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # NOTE: weights and optimizer state stay fp32 (the "master" copy); only the forward/backward math runs in
-    # --dtype. Pure bf16 weights lose small updates: at lr 3e-5 most bf16 weights would never change.
-    compute_dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    # Weights and optimizer state stay fp32 (the "master" copy); only the forward/backward math runs in --dtype.
+    # Pure bf16 weights lose small updates: at lr 3e-5 most bf16 weights would never change.
+    compute_dtype = getattr(torch, args.dtype or default_compute_dtype(device))
     exp_dir = make_experiment_dir(args.save_dir, args.experiment_name)
     torch.manual_seed(args.seed)
 
@@ -41,7 +47,8 @@ def main():
     model = build_model(args, config, device)
     param_shapes = {name: list(p.shape) for name, p in model.named_parameters()}
     flops_per_token = training_flops_per_token(model, config, args.seq_length)
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, compute in {compute_dtype}")
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {num_params / 1e6:.1f}M parameters, compute in {compute_dtype}")
 
     data = load_and_pack(args, tokenizer)
     global_batch_size = args.batch_size
@@ -49,12 +56,16 @@ def main():
     steps_per_epoch = len(data) // global_batch_size
     if steps_per_epoch == 0:
         sys.exit(
-            f"error: the dataset gives {len(data)} sequences of {args.seq_length + 1} tokens, fewer than one batch "
-            f"of {global_batch_size}; use a smaller -b/--batch-size or -s/--seq-length, or more data"
+            f"error: the dataset gives {len(data)} sequences of {args.seq_length + 1} tokens, fewer than one "
+            f"batch of {global_batch_size}; use a smaller -b/--batch-size or -s/--seq-length, or more data"
         )
-    total_steps = steps_per_epoch * args.num_epochs
-    if args.max_steps is not None:
-        total_steps = min(total_steps, args.max_steps)
+    # --max-steps, when given, wins over --num-epochs (as in Hugging Face's Trainer): the data order repeats.
+    total_steps = args.max_steps or steps_per_epoch * args.num_epochs
+    if args.warmup_steps > total_steps // 2:
+        print(
+            f"warning: --warmup-steps {args.warmup_steps} covers most of the {total_steps} steps, so the learning "
+            f"rate hardly decays; pass --warmup-steps {max(1, total_steps // 20)} or train longer", file=sys.stderr
+        )
 
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
@@ -63,10 +74,11 @@ def main():
         optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, total_steps)
     )
 
-    # NOTE: the data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure
-    # function of (seed, epoch), so resuming needs no replay of skipped batches.
-    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0}
-    checkpoint_dir = latest_checkpoint(exp_dir)
+    # The data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure function of
+    # (seed, epoch), so resuming needs no replay of skipped batches. loss_window holds the losses summed since
+    # the last log line, so a resumed run logs the same averages as an uninterrupted one.
+    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0]}
+    checkpoint_dir = usable_checkpoint(exp_dir)
     if checkpoint_dir is not None:
         state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes)
         print(f"resumed from {checkpoint_dir} at step {state['step']}")
@@ -78,24 +90,22 @@ def main():
     if args.wandb:
         import wandb
 
-        # NOTE: id + resume="allow" makes a relaunch of the same experiment continue the same wandb run.
+        # id + resume="allow": a relaunch of the same experiment continues the same wandb run.
         wandb.init(
             project="distributed-training-guide", name=args.experiment_name, id=args.experiment_name,
             resume="allow", dir=exp_dir, config=vars(args),
         )
 
-    # NOTE: schedulers (Slurm preemption, time limits) send a signal before they kill a job: we finish the
-    # current step, save a checkpoint and exit, so a relaunch of the same command loses nothing.
-    stop_requested = threading.Event()
-    for stop_signal in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(stop_signal, lambda signum, frame: stop_requested.set())
-
-    autocast = torch.autocast(device.type, dtype=compute_dtype) if compute_dtype != torch.float32 else nullcontext()
+    autocast = nullcontext() if compute_dtype == torch.float32 else torch.autocast(device.type, compute_dtype)
     peak_flops = peak_flops_per_second(device)
+    if peak_flops is not None:
+        print(f"MFU is relative to {peak_flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of this GPU")
     order = epoch_order(len(data), args.seed, state["epoch"])
-    running_loss, steps_since_log = torch.zeros((), device=device), 0
-    progress = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not sys.stderr.isatty())
-    last_log_time = time.perf_counter()
+    running_loss = torch.tensor(state["loss_window"][0], device=device)
+    steps_since_log = state["loss_window"][1]
+    show_progress = sys.stderr.isatty()
+    progress = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not show_progress)
+    last_log_time, last_log_step = time.perf_counter(), state["step"]
     model.train()
 
     while state["step"] < total_steps:
@@ -105,8 +115,8 @@ def main():
             order = epoch_order(len(data), args.seed, state["epoch"])
         batch_indices = order[state["samples_in_epoch"] : state["samples_in_epoch"] + global_batch_size]
         state["samples_in_epoch"] += global_batch_size
-        batch = torch.from_numpy(data[batch_indices]["input_ids"]).to(device, non_blocking=True)
-        # NOTE: each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
+        batch = to_device(data[batch_indices]["input_ids"], device)
+        # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
         input_ids, labels = batch[:, :-1], batch[:, 1:]
 
         with autocast:
@@ -115,21 +125,22 @@ def main():
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
-        # NOTE: read before the schedule advances, so the logged lr is the one this step used.
+        # Read before the schedule advances, so the logged lr is the one this step used.
         step_lr = lr_schedule.get_last_lr()[0]
         lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         progress.update(1)
 
-        # NOTE: losses stay on the device until a log step; calling .item() every step would make the CPU
-        # wait for the GPU each step.
+        # NOTE: nothing in a step reads a value back from the GPU (.item(), printing a tensor): the CPU queues
+        # the next step while the GPU computes this one. Losses are summed on the device until a log step.
         running_loss += loss.detach()
         steps_since_log += 1
+        stop = bool(stop_signals)
         if state["step"] % args.log_freq == 0 or state["step"] == total_steps:
             mean_loss = running_loss.item() / steps_since_log
             elapsed = time.perf_counter() - last_log_time
-            tokens_per_s = tokens_per_step * steps_since_log / elapsed
+            tokens_per_s = tokens_per_step * (state["step"] - last_log_step) / elapsed
             metrics = {
                 "step": state["step"],
                 "epoch": state["epoch"],
@@ -146,12 +157,12 @@ def main():
                 wandb.log(metrics, step=state["step"])
             running_loss.zero_()
             steps_since_log = 0
-            last_log_time = time.perf_counter()
+            last_log_time, last_log_step = time.perf_counter(), state["step"]
 
-        if state["step"] % args.ckpt_freq == 0 or state["step"] == total_steps:
+        if stop or state["step"] % args.ckpt_freq == 0 or state["step"] == total_steps:
+            state["loss_window"] = [running_loss.item(), steps_since_log]
             save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
-        if stop_requested.is_set():
-            save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
+        if stop:
             break
 
     progress.close()
@@ -165,31 +176,34 @@ def main():
 
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-m", "--model-name", default=None,
+    parser.add_argument("-m", "--model-name", type=hub_id_or_path, default=None,
                         help="Hugging Face model id or local folder (default: a tiny Llama built offline)")
     parser.add_argument("--from-pretrained", action="store_true",
                         help="load the weights of -m (default: fresh weights from -m's config)")
-    parser.add_argument("-d", "--dataset-name", default=None,
+    parser.add_argument("-d", "--dataset-name", type=hub_id_or_path, default=None,
                         help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
                              "with a 'text' column (default: an offline synthetic corpus)")
     parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
-    parser.add_argument("-b", "--batch-size", type=positive_int, default=8, help="sequences per step on this device")
+    parser.add_argument("-b", "--batch-size", type=positive_int, default=8,
+                        help="sequences per step on this device")
     parser.add_argument("-s", "--seq-length", type=positive_int, default=128, help="tokens per sequence")
-    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=int, default=20)
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=20)
     parser.add_argument("--max-steps", type=positive_int, default=None,
-                        help="stop after this many steps (default: epochs)")
+                        help="train this many steps, over as many epochs as that takes (default: --num-epochs)")
     parser.add_argument("--num-epochs", type=positive_int, default=1)
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--max-grad-norm", type=positive_float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="compute dtype (default: bfloat16 on CUDA, float32 on CPU); weights stay float32")
+                        help="compute dtype (default: bfloat16 on GPUs that have it, else float32); "
+                             "weights stay float32")
     parser.add_argument("--attn-implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("-e", "--experiment-name", default="default",
                         help="name of the run; relaunching the same name resumes it")
     parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")
-    parser.add_argument("--ckpt-freq", type=positive_int, default=100, help="save a checkpoint every this many steps")
+    parser.add_argument("--ckpt-freq", type=positive_int, default=100,
+                        help="save a checkpoint every this many steps")
     parser.add_argument("--log-freq", type=positive_int, default=10, help="log metrics every this many steps")
     parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
     return parser
@@ -200,6 +214,37 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
     return value
+
+
+def hub_id_or_path(name):
+    """A name that can only be a local path (it starts with / . or ~, names a data file, or has more folders
+    than a Hub id's owner/name) must exist: a mistyped path must not go to the Hub and fail there after retries."""
+    extension = os.path.splitext(name)[1]
+    local = name.startswith(("/", ".", "~")) or extension in DATA_FILE_BUILDERS or name.count("/") > 1
+    if local and not os.path.exists(os.path.expanduser(name)):
+        raise argparse.ArgumentTypeError(f"no such file or folder: {name!r}")
+    return os.path.expanduser(name) if local else name
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def default_compute_dtype(device):
+    # Not emulated: a GPU older than Ampere has no bf16 tensor cores, and emulated bf16 is slower than fp32.
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    return "float32"
 
 
 def make_experiment_dir(save_dir, experiment_name):
@@ -215,6 +260,14 @@ def make_experiment_dir(save_dir, experiment_name):
     return exp_dir
 
 
+def request_stop(stop_signals, signum):
+    # NOTE: a handler may run again while it runs (two signals in a row): taking a lock here, as
+    # threading.Event.set does, can deadlock. Appending to a list takes none.
+    stop_signals.append(signum)
+    # A second Ctrl-C ends the process at once, without waiting for the step and the checkpoint.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def load_config_and_tokenizer(args):
     if args.model_name is None:
         if args.from_pretrained:
@@ -226,8 +279,8 @@ def load_config_and_tokenizer(args):
             tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name)
         except Exception as error:
             sys.exit(
-                f"error: cannot load model {args.model_name!r} ({first_line(error)}); pass a Hugging Face model id "
-                "or a local folder with config.json and a tokenizer"
+                f"error: cannot load model {args.model_name!r} ({first_line(error)}); pass a Hugging Face model "
+                "id or a local folder with config.json and a tokenizer"
             )
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and args.seq_length > max_positions:
@@ -238,8 +291,11 @@ def load_config_and_tokenizer(args):
     return config, tokenizer
 
 
+DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
 def tiny_llama_config():
-    # NOTE: vocab 272 = ByT5's 259 byte tokens rounded up so it divides by 2, 4, 8, 16 (tensor parallel shards).
+    # vocab 272 = ByT5's 259 byte tokens rounded up so it divides by 2, 4, 8, 16 (tensor parallel shards).
     return transformers.LlamaConfig(
         vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=None, eos_token_id=1, pad_token_id=0,
@@ -248,7 +304,7 @@ def tiny_llama_config():
 
 def build_model(args, config, device):
     try:
-        # NOTE: building under `with device` allocates the weights directly on the GPU, not in host RAM first.
+        # Building under `with device` allocates the weights directly on the GPU, not in host RAM first.
         with device:
             if args.from_pretrained:
                 model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -277,7 +333,8 @@ def load_and_pack(args, tokenizer):
 
     def tokenize_and_pack(batch):
         stream = []
-        for ids in tokenizer(batch["text"])["input_ids"]:
+        texts = [text for text in batch["text"] if text]
+        for ids in tokenizer(texts)["input_ids"] if texts else []:
             stream.extend(ids)
             if eos is not None and (not ids or ids[-1] != eos):
                 stream.append(eos)
@@ -286,23 +343,43 @@ def load_and_pack(args, tokenizer):
 
     packed = raw.map(tokenize_and_pack, batched=True, batch_size=1000, remove_columns=raw.column_names,
                      desc=f"tokenize and pack into rows of {row_length}")
+    if len(packed) == 0 and not any(raw["text"]):
+        sys.exit(f"error: dataset {args.dataset_name!r} has no text: its 'text' column is empty in all rows")
     return packed.with_format("numpy")
 
 
 def load_raw_dataset(name, subset):
-    builders = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+    if os.path.isfile(name):
+        check_data_file(name)
     try:
         if os.path.isfile(name):
-            extension = os.path.splitext(name)[1]
-            if extension not in builders:
-                sys.exit(f"error: cannot read {name!r}: use a {', '.join(builders)} file or a folder of them")
-            return datasets.load_dataset(builders[extension], data_files=name, split="train")
+            builder = DATA_FILE_BUILDERS[os.path.splitext(name)[1]]
+            return datasets.load_dataset(builder, data_files=name, split="train")
         return datasets.load_dataset(name, subset, split="train")
     except Exception as error:
         sys.exit(
             f"error: cannot load dataset {name!r} ({first_line(error)}); pass a Hugging Face dataset id "
             "(and --dataset-subset if it has several), or a local file or folder"
         )
+
+
+def check_data_file(path):
+    """Name what is wrong with a local data file before datasets gives a generic error about it."""
+    extension = os.path.splitext(path)[1]
+    if extension not in DATA_FILE_BUILDERS:
+        sys.exit(f"error: cannot read {path!r}: use a {', '.join(DATA_FILE_BUILDERS)} file or a folder of them")
+    if os.path.getsize(path) == 0:
+        sys.exit(f"error: {path!r} is empty")
+    if extension != ".parquet":
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        try:
+            # The last 3 bytes may be a multi-byte character cut in two by the read.
+            (head if len(head) < 1 << 16 else head[:-3]).decode("utf-8")
+        except UnicodeDecodeError:
+            sys.exit(f"error: {path!r} is not a text file (not UTF-8); pass a {extension} file of text")
+        if b"\0" in head:
+            sys.exit(f"error: {path!r} is not a text file (it holds NUL bytes); pass a {extension} file of text")
 
 
 def tiny_corpus(num_documents=4000, seed=1234):
@@ -334,33 +411,46 @@ def epoch_order(num_rows, seed, epoch):
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
+def to_device(rows, device):
+    batch = torch.from_numpy(rows)
+    # Only a copy from pinned (page-locked) memory runs asynchronously: the GPU fetches the batch while the CPU
+    # goes on queueing work. A copy from ordinary memory blocks the CPU despite non_blocking=True.
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
+
+
 def training_flops_per_token(model, config, seq_length):
-    """6 FLOPs per parameter per token (forward + backward) for the matmuls, plus attention scores
-    (12 * layers * hidden * seq_length, PaLM appendix B). Embedding lookups are not matmuls."""
-    num_params = sum(p.numel() for p in model.parameters())
-    num_params -= model.get_input_embeddings().weight.numel()
-    return 6 * num_params + 12 * config.num_hidden_layers * config.hidden_size * seq_length
+    """6 FLOPs per matmul weight per token (2 forward, 4 backward), plus the attention scores
+    (12 * layers * hidden * seq_length, PaLM appendix B). Every weight is a matmul weight except the input
+    embedding (a lookup); a tied output head is that same tensor used again, as a matmul."""
+    embedding = model.get_input_embeddings().weight
+    num_matmul_params = sum(p.numel() for p in model.parameters() if p is not embedding)
+    if model.get_output_embeddings().weight is embedding:
+        num_matmul_params += embedding.numel()
+    return 6 * num_matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_length
+
+
+# Dense bf16 tensor-core peaks from the datasheets (without sparsity). The first name found in the GPU's name
+# wins, so the longer names come first ("GH200" also contains "H200").
+PEAK_BF16_FLOPS = [
+    ("GH200", 989e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12),
+    ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12),
+]
 
 
 def peak_flops_per_second(device):
-    """Dense bf16 tensor-core peak of the GPU (datasheet numbers, without sparsity), or None if unknown."""
+    """The GPU's dense bf16 peak, or None (CPU, or a GPU not in the table: no MFU rather than a guess)."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, flops in [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("GH200", 989e12),
-                       ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12)]:
-        if key in name:
-            print(f"MFU is relative to {flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of {name}")
-            return flops
-    print(f"unknown peak FLOP/s for {name}: MFU is not reported")
-    return None
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
 def peak_memory_gb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource  # NOTE: Unix only; on CPU the process's peak resident memory is the honest number
-
+    # On CPU the process's peak resident memory is the honest number (ru_maxrss: KiB on Linux, bytes on macOS).
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
 
@@ -382,14 +472,66 @@ def truncate_metrics(path, after_step):
         f.writelines(kept)
 
 
-def latest_checkpoint(exp_dir):
-    """Newest complete checkpoint. A save writes into step-N.partial and renames it to step-N when done,
-    so a run killed mid-save leaves only a .partial folder, which is ignored."""
+def usable_checkpoint(exp_dir):
+    """The newest complete checkpoint whose files are all as they were written, or None if there is none yet.
+
+    A save writes into step-N.partial and renames it to step-N when done, so a run killed mid-save leaves a
+    .partial folder, which is ignored. A complete one can still be damaged later (a full disk, a node crash
+    before the data reached the disk): it is renamed to step-N.damaged, never deleted, and the one before is used.
+    """
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
     if not os.path.isdir(checkpoints_dir):
         return None
     complete = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
-    return os.path.join(checkpoints_dir, complete[-1]) if complete else None
+    for name in reversed(complete):
+        checkpoint_dir = os.path.join(checkpoints_dir, name)
+        damage = checkpoint_damage(checkpoint_dir)
+        if damage is None:
+            return checkpoint_dir
+        os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
+        print(f"warning: checkpoint {checkpoint_dir} is damaged ({damage}); set it aside as {name}.damaged",
+              file=sys.stderr)
+    if complete:
+        sys.exit(
+            f"error: every checkpoint in {checkpoints_dir} is damaged (now *.damaged); move them away to start "
+            "fresh, or pass a new -e/--experiment-name"
+        )
+    return None
+
+
+def file_digest(path):
+    """(size, CRC-32) of a file, read in 16 MiB pieces: about a second per GB from the page cache."""
+    crc = 0
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 24):
+            crc = zlib.crc32(piece, crc)
+    return [os.path.getsize(path), crc]
+
+
+def write_manifest(checkpoint_dir):
+    """Record the size and checksum of every file of a checkpoint, so that loading can tell a damaged one."""
+    files = sorted(
+        os.path.relpath(os.path.join(folder, name), checkpoint_dir)
+        for folder, _, names in os.walk(checkpoint_dir) for name in names
+    )
+    with open(os.path.join(checkpoint_dir, "manifest.json"), "w") as f:
+        json.dump({name: file_digest(os.path.join(checkpoint_dir, name)) for name in files}, f)
+
+
+def checkpoint_damage(checkpoint_dir):
+    """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest."""
+    try:
+        with open(os.path.join(checkpoint_dir, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return "manifest.json is missing or unreadable"
+    for name, recorded in manifest.items():
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if file_digest(path) != recorded:
+            return f"{name} differs from what was written ({os.path.getsize(path)} of {recorded[0]} bytes)"
+    return None
 
 
 def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
@@ -405,18 +547,26 @@ def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
             "lr_schedule": lr_schedule.state_dict(),
-            # NOTE: the data order has its own generator; these cover anything random in the model (dropout).
-            "rng": {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all()},
+            # The data order has its own generator; these cover anything random in the model (dropout).
+            "rng": rng_state(),
         },
         os.path.join(partial_dir, "checkpoint.pt"),
     )
     with open(os.path.join(partial_dir, "state.json"), "w") as f:
         json.dump({**state, "param_shapes": param_shapes}, f)
-    # NOTE: the rename is atomic: a crash before it leaves the previous checkpoint as the newest complete one.
+    write_manifest(partial_dir)
+    # The rename is atomic: a crash before it leaves the previous checkpoint as the newest complete one.
     os.rename(partial_dir, final_dir)
-    for name in os.listdir(checkpoints_dir):
-        if name != os.path.basename(final_dir):
-            shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
+    remove_old_checkpoints(checkpoints_dir)
+
+
+def remove_old_checkpoints(checkpoints_dir, keep=2):
+    """Keep the newest `keep` complete checkpoints (the one before the newest is the fallback if the newest
+    turns out damaged) and any *.damaged folder for inspection; remove the rest and stale .partial folders."""
+    complete = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
+    stale = [name for name in os.listdir(checkpoints_dir) if name.endswith(".partial")]
+    for name in complete[:-keep] + stale:
+        shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
 
 
 def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes):
@@ -425,17 +575,27 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes)
     saved_shapes = state.pop("param_shapes")
     if saved_shapes != param_shapes:
         sys.exit(
-            f"error: checkpoint {checkpoint_dir} holds a different model ({describe_mismatch(saved_shapes, param_shapes)}); "
+            f"error: checkpoint {checkpoint_dir} holds a different model "
+            f"({describe_mismatch(saved_shapes, param_shapes)}); "
             "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
         )
     checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     lr_schedule.load_state_dict(checkpoint["lr_schedule"])
-    torch.set_rng_state(checkpoint["rng"]["cpu"])
-    if torch.cuda.is_available() and checkpoint["rng"]["cuda"]:
-        torch.cuda.set_rng_state_all(checkpoint["rng"]["cuda"])
+    set_rng_state(checkpoint["rng"])
     return state
+
+
+def rng_state():
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda_state}
+
+
+def set_rng_state(saved):
+    torch.set_rng_state(saved["cpu"])
+    if torch.cuda.is_available() and saved["cuda"] is not None:
+        torch.cuda.set_rng_state(saved["cuda"])
 
 
 def describe_mismatch(saved_shapes, param_shapes):

@@ -21,9 +21,11 @@ CHAPTERS = {
     "02": ROOT / "02-distributed-data-parallel",
     "03": ROOT / "03-job-launchers",
     "04": ROOT / "04-fully-sharded-data-parallel",
+    "05": ROOT / "05-training-llama-405b",
     "06": ROOT / "06-tensor-parallel",
     "07": ROOT / "07-2d-parallel",
 }
+INJECT = Path(__file__).with_name("inject.py")
 # NOTE: a tiny Llama whose heads (4), kv heads (4), hidden (64) and vocab (272) divide by 1, 2 and 4 ranks.
 TINY_LLAMA = dict(
     vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -49,6 +51,15 @@ class Run:
     def losses(self):
         return [m["loss"] for m in self.metrics]
 
+    @property
+    def worker_stderr(self):
+        """stderr without torchrun's failure summary, which repeats each failed rank's last error line."""
+        return worker_stderr(self.stderr)
+
+
+def worker_stderr(stderr):
+    return stderr.split("\nFailures:\n")[0]
+
 
 def offline_env(tmp_path):
     """Environment for a launch: offline Hugging Face and wandb, caches inside the test's temp dir."""
@@ -68,43 +79,68 @@ def offline_env(tmp_path):
     return env
 
 
-def run_chapter(chapter, args, tmp_path, nproc=None, timeout=240, expect_ok=True, env=None,
-                experiment="test", script=None):
-    """Launch a chapter's train_llm.py and wait for it.
+def start_chapter(chapter, args, tmp_path, nproc=None, env=None, experiment="test", script=None):
+    """Start a chapter's train_llm.py in the background, in a process group of its own; returns (Popen, command).
 
-    nproc=None runs `python train_llm.py`; a number runs it under `torchrun --standalone`. The run writes to
-    tmp_path/outputs/<experiment>. A hang past `timeout` kills the whole process group and fails the test;
-    with expect_ok, any non-zero exit (also one after the work is done) fails the test with the output.
+    nproc=None runs `python train_llm.py`; a number runs it under `torchrun --standalone` (a free port). The run
+    writes to tmp_path/outputs/<experiment>. env adds to (or overrides) offline_env.
     """
     script = script or CHAPTERS[chapter] / "train_llm.py"
-    save_dir = tmp_path / "outputs"
     command = [sys.executable, str(script)] if nproc is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script)
     ]
-    command += ["--save-dir", str(save_dir), "-e", experiment, *map(str, args)]
+    command += ["--save-dir", str(tmp_path / "outputs"), "-e", experiment, *map(str, args)]
     process = subprocess.Popen(
-        command, cwd=tmp_path, env=env or offline_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+        command, cwd=tmp_path, env={**offline_env(tmp_path), **(env or {})}, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
+    return process, command
+
+
+def run_chapter(chapter, args, tmp_path, nproc=None, timeout=240, expect_ok=True, env=None,
+                experiment="test", script=None):
+    """Launch a chapter's train_llm.py (see start_chapter) and wait for it.
+
+    A hang past `timeout` kills the whole process group and fails the test; with expect_ok, any non-zero exit
+    (also one after the work is done) fails the test with the output.
+    """
+    process, command = start_chapter(chapter, args, tmp_path, nproc, env, experiment, script)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
         pytest.fail(f"{' '.join(command)} hung for {timeout} s\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-4000:]}")
-    run = Run(process.returncode, stdout, stderr, save_dir / experiment)
+    run = Run(process.returncode, stdout, stderr, tmp_path / "outputs" / experiment)
     if expect_ok and run.returncode != 0:
         pytest.fail(f"{' '.join(command)} exited {run.returncode}\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-6000:]}")
     return run
 
 
-def write_tiny_model(path, seed=0, **overrides):
-    """A randomly initialised tiny Llama (weights + ByT5 byte tokenizer) saved like any Hub checkpoint."""
+def inject_env(chapter, what, rank=None, after_step=None):
+    """Environment for run_chapter(..., script=INJECT): tests/inject.py runs the chapter's script with one fault
+    or probe (see that file)."""
+    env = {"INJECT_SCRIPT": str(CHAPTERS[chapter] / "train_llm.py"), "INJECT": what}
+    if rank is not None:
+        env["INJECT_RANK"] = str(rank)
+    if after_step is not None:
+        env["INJECT_AFTER_STEP"] = str(after_step)
+    return env
+
+
+def write_tiny_model(path, seed=0, architecture="llama", **overrides):
+    """A randomly initialised tiny Llama, or Qwen3 (per-head q/k norms), with the ByT5 byte tokenizer, saved
+    like any Hub checkpoint."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**{**TINY_LLAMA, **overrides})
+    config_class = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[architecture]
+    # Qwen3's head_dim is its own setting (default 128), not hidden_size / heads.
+    sizes = {**TINY_LLAMA, **overrides}
+    if architecture == "qwen3":
+        sizes.setdefault("head_dim", sizes["hidden_size"] // sizes["num_attention_heads"])
+    config = config_class(**sizes)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     transformers.ByT5Tokenizer(extra_ids=0).save_pretrained(path)
     return path
@@ -134,11 +170,27 @@ def tiny_dataset(tmp_path_factory):
     return write_tiny_dataset(tmp_path_factory.mktemp("tiny-dataset"))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def common_args(tiny_model, tiny_dataset):
     """Flags for a short, exact fp32 run from fixed pretrained weights on the on-disk dataset."""
     return ["-m", tiny_model, "--from-pretrained", "-d", tiny_dataset, "-s", 32, "--dtype", "float32",
             "--log-freq", 1, "--warmup-steps", 2]
+
+
+@pytest.fixture(scope="session")
+def launch_once(tmp_path_factory):
+    """run_chapter, but each distinct launch (chapter, flags, processes, environment) runs once per test
+    session: the tests that need the same reference run share it, across modules too (a launch costs 5-15 s)."""
+    launches = {}
+
+    def launch(chapter, args, nproc=None, env=None, **kwargs):
+        key = repr((chapter, list(map(str, args)), nproc, sorted((env or {}).items()), sorted(kwargs.items())))
+        if key not in launches:
+            tmp_path = tmp_path_factory.mktemp(f"ch{chapter}-{nproc or 1}")
+            launches[key] = run_chapter(chapter, args, tmp_path, nproc=nproc, env=env, **kwargs)
+        return launches[key]
+
+    return launch
 
 
 def load_weights(hf_dir):

@@ -7,9 +7,12 @@ the LR schedule or an RNG).
 """
 import contextlib
 import hashlib
+import json
 import math
+import re
 import resource
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -17,40 +20,54 @@ import pytest
 import torch
 import transformers
 
-from conftest import CHAPTERS, max_weight_diff, offline_env, run_chapter, write_tiny_model
+from conftest import CHAPTERS, INJECT, inject_env, max_weight_diff, run_chapter, write_tiny_model
 
-INTERRUPT = Path(__file__).with_name("interrupt_run.py")
 # NOTE: 8 steps with a checkpoint every 2: long enough to stop in the middle, short enough for a test.
 EXACT = ["--max-steps", 8, "--ckpt-freq", 2]
 
 
-@pytest.fixture(scope="module")
-def launches():
-    """Launches shared by several tests of this module (each costs seconds)."""
-    return {}
+@pytest.fixture
+def reference(common_args, launch_once):
+    """An uninterrupted 8-step fp32 run: the numbers every interrupted run must reproduce."""
+    return launch_once("01", [*common_args, *EXACT], experiment="reference")
 
 
 @pytest.fixture
-def reference(common_args, launches, tmp_path_factory):
-    """An uninterrupted 8-step fp32 run: the numbers every interrupted run must reproduce."""
-    if "reference" not in launches:
-        launches["reference"] = run_chapter(
-            "01", [*common_args, *EXACT], tmp_path_factory.mktemp("reference"), experiment="reference"
-        )
-    return launches["reference"]
-
-
-@pytest.fixture(scope="module")
-def default_run_with_wandb(tmp_path_factory):
+def default_run_with_wandb(launch_once):
     """The reader's default (tiny Llama, built-in corpus), 60 steps, logging to an offline wandb run."""
-    tmp_path = tmp_path_factory.mktemp("default")
-    return run_chapter("01", ["--max-steps", 60, "--log-freq", 1, "--wandb"], tmp_path, experiment="default")
+    return launch_once("01", ["--max-steps", 60, "--log-freq", 1, "--wandb"], experiment="default")
 
 
-def interrupted(tmp_path, args, **signal_env):
-    """Launch the chapter through tests/interrupt_run.py, which sends it a real signal (see that file)."""
-    env = {**offline_env(tmp_path), "TRAIN_SCRIPT": str(CHAPTERS["01"] / "train_llm.py"), **signal_env}
-    return run_chapter("01", args, tmp_path, experiment="interrupted", script=INTERRUPT, env=env, expect_ok=False)
+def interrupted(tmp_path, args, what, after_step):
+    """Launch the chapter through tests/inject.py, which sends it a real signal or kills it mid-save."""
+    return run_chapter("01", args, tmp_path, experiment="interrupted", script=INJECT, expect_ok=False,
+                       env=inject_env("01", what, after_step=after_step))
+
+
+def wandb_history(run_dir):
+    """The rows an offline wandb run logged, read from its .wandb file: a LevelDB-style log of 32 KiB blocks
+    (after a 7-byte file header), each record a 7-byte header (CRC, length, type) and a protobuf Record."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = next(run_dir.glob("*.wandb")).read_bytes()
+    position, pending, rows = 7, b"", []
+    while position + 7 <= len(data):
+        if 32768 - position % 32768 < 7:  # a block's tail too short for a header is padding
+            position += 32768 - position % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
 
 
 def test_loss_falls_well_below_the_starting_loss(default_run_with_wandb):
@@ -70,19 +87,22 @@ def test_logged_lr_is_the_one_each_step_used(default_run_with_wandb):
     assert lrs[19] == pytest.approx(1e-3, rel=1e-12) and max(lrs) == lrs[19]
 
 
-def test_wandb_offline_writes_a_run_into_the_experiment_folder(default_run_with_wandb):
+def test_wandb_offline_run_logs_every_metric_line(default_run_with_wandb):
     runs = list((default_run_with_wandb.exp_dir / "wandb").glob("offline-run-*"))
     assert len(runs) == 1, runs
-    assert list(runs[0].glob("*.wandb")), f"no .wandb log in {runs[0]}"
+    logged = wandb_history(runs[0])
+    assert [row["_step"] for row in logged] == list(range(1, 61))
+    for row, line in zip(logged, default_run_with_wandb.metrics):
+        assert {key: row[key] for key in line} == line
 
 
 def test_sigterm_then_relaunch_continues_bitwise_equal(reference, common_args, tmp_path):
     args = [*common_args, *EXACT]
-    stopped = interrupted(tmp_path, args, SIGTERM_AFTER_STEP="3")
+    stopped = interrupted(tmp_path, args, "sigterm", after_step=3)
     assert stopped.returncode == 1, stopped.stderr[-3000:]
     assert "stopped by a signal after step 3; relaunch the same command to resume" in stopped.stderr
     # The handler lets step 3 finish and checkpoints it, although 3 is not a multiple of --ckpt-freq.
-    assert [p.name for p in (stopped.exp_dir / "checkpoints").iterdir()] == ["step-00000003"]
+    assert sorted(p.name for p in (stopped.exp_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000003"]
 
     resumed = run_chapter("01", args, tmp_path, experiment="interrupted")
     assert "at step 3" in resumed.stdout
@@ -92,7 +112,7 @@ def test_sigterm_then_relaunch_continues_bitwise_equal(reference, common_args, t
 
 def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_one(reference, common_args, tmp_path):
     args = [*common_args, *EXACT]
-    killed = interrupted(tmp_path, args, SIGKILL_DURING_SAVE="2")
+    killed = interrupted(tmp_path, args, "kill-in-save", after_step=2)
     assert killed.returncode == -9, killed.stderr[-3000:]
     checkpoints = killed.exp_dir / "checkpoints"
     # The save of step 4 died with half a file written: only its .partial folder holds it.
@@ -106,7 +126,8 @@ def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_one(referenc
     # Steps 3 and 4 ran twice; metrics.jsonl keeps only the second time, so it reads like one clean run.
     assert resumed.losses == reference.losses
     assert max_weight_diff(resumed.exp_dir / "hf", reference.exp_dir / "hf") == 0
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000008"]
+    # The newest two are kept: the one before the newest is the fallback if the newest turns out damaged.
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000006", "step-00000008"]
 
 
 def test_exported_hf_model_gives_the_trained_models_logits(reference, tiny_model):
@@ -147,15 +168,30 @@ BAD_INPUTS = {
     "seq-length-beyond-positions": (["-s", 300], "-s/--seq-length 300 is longer than"),
     "unwritable-save-dir": (lambda tmp: ["--save-dir", a_path_under_a_file(tmp)], "error: cannot write to --save-dir"),
     "zero-log-freq": (["--log-freq", 0], "error: argument --log-freq: 0 is not a positive integer"),
+    "negative-lr": (["--lr", -1], "error: argument --lr: -1 is not a positive number"),
+    "mistyped-data-file": (["-d", "nosuch.txt"], "argument -d/--dataset-name: no such file or folder: 'nosuch.txt'"),
+    "mistyped-model-folder": (["-m", "./nosuch"], "argument -m/--model-name: no such file or folder: './nosuch'"),
+    "empty-data-file": (lambda tmp: ["-d", write(tmp / "empty.txt", b"")], "is empty"),
+    "binary-data-file": (lambda tmp: ["-d", write(tmp / "data.jsonl", bytes(range(256)))], "is not a text file"),
+    "no-text-in-any-row": (lambda tmp: ["-d", write(tmp / "data.jsonl", b'{"text": ""}\n' * 50)],
+                           "has no text: its 'text' column is empty in all rows"),
 }
+
+
+def write(path, content):
+    path.write_bytes(content)
+    return path
 
 
 @pytest.mark.parametrize("case", BAD_INPUTS)
 def test_bad_input_fails_fast_with_one_line(case, common_args, tmp_path):
     flags, message = BAD_INPUTS[case]
     flags = flags(tmp_path) if callable(flags) else flags
+    # Online, as a reader is: a mistyped path must fail at once, not after the Hub's retries.
+    online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
     with measured() as cost:
-        run = run_chapter("01", [*common_args, *flags], tmp_path, expect_ok=False, timeout=180)
+        run = run_chapter("01", [*common_args, *flags], tmp_path, expect_ok=False, timeout=180,
+                          env=online if case.startswith("mistyped") else None)
     assert_fails_with_one_line(run, message, cost)
 
 
@@ -198,3 +234,85 @@ def assert_fails_with_one_line(run, message, cost):
     # the bound on it only catches retry loops and waits; the CPU bound catches any real work done.
     assert cost["cpu"] < 20, f"used {cost['cpu']:.0f} CPU seconds to fail"
     assert cost["wall"] < 150, f"took {cost['wall']:.0f} s to fail"
+
+
+def without_timing(metrics):
+    return [{key: value for key, value in line.items() if key not in ("tokens_per_s", "peak_memory_gb")}
+            for line in metrics]
+
+
+def test_resumed_metrics_equal_the_uninterrupted_ones_line_for_line(common_args, launch_once, tmp_path):
+    """Stopped at step 4, inside the logging window of steps 4-6: the resumed run's step-6 line must average
+    the same three losses as the uninterrupted run's."""
+    args = [*common_args, *EXACT, "--log-freq", 3]
+    uninterrupted = launch_once("01", args)
+    stopped = interrupted(tmp_path, args, "sigterm", after_step=4)
+    assert stopped.returncode == 1
+    resumed = run_chapter("01", args, tmp_path, experiment="interrupted")
+    assert [m["step"] for m in resumed.metrics] == [3, 6, 8]
+    assert without_timing(resumed.metrics) == without_timing(uninterrupted.metrics)
+
+
+def test_ctrl_c_stops_like_sigterm_and_a_second_one_at_once(common_args, tmp_path):
+    args = [*common_args, *EXACT]
+    stopped = interrupted(tmp_path, args, "sigint", after_step=3)
+    assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    assert stopped.stderr.strip().splitlines()[-1] == (
+        "stopped by a signal after step 3; relaunch the same command to resume"
+    )
+    assert (stopped.exp_dir / "checkpoints" / "step-00000003").is_dir()
+    twice = run_chapter("01", args, tmp_path, experiment="twice", script=INJECT, expect_ok=False,
+                        env=inject_env("01", "sigint-twice", after_step=3))
+    # The second Ctrl-C ends the process at once (killed by SIGINT), before step 3 is saved.
+    assert twice.returncode == -signal.SIGINT and "Traceback" not in twice.stderr, twice.stderr[-3000:]
+    assert not (twice.exp_dir / "checkpoints" / "step-00000003").exists()
+
+
+def test_a_run_that_is_mostly_warmup_says_so(common_args, launch_once):
+    warned = launch_once("01", [*common_args, "--max-steps", 4, "--warmup-steps", 3])
+    assert ("warning: --warmup-steps 3 covers most of the 4 steps, so the learning rate hardly decays; pass "
+            "--warmup-steps 1 or train longer") in warned.stderr
+    assert "warning: --warmup-steps" not in launch_once("01", [*common_args, *EXACT]).stderr
+
+
+def damage(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damaged_file", ["checkpoint.pt", "state.json"])
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(
+    damaged_file, reference, common_args, tmp_path
+):
+    args = [*common_args, *EXACT]
+    stopped = interrupted(tmp_path, args, "sigterm", after_step=5)
+    checkpoints = stopped.exp_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000005"]
+    damage(checkpoints / "step-00000005" / damaged_file)
+
+    resumed = run_chapter("01", args, tmp_path, experiment="interrupted")
+    assert re.search(rf"warning: checkpoint \S+step-00000005 is damaged \({damaged_file} differs from what was "
+                     r"written \(\d+ of \d+ bytes\)\); set it aside as step-00000005.damaged", resumed.stderr)
+    assert "step-00000004 at step 4" in resumed.stdout
+    assert resumed.losses == reference.losses
+    # set aside, never deleted
+    assert (checkpoints / "step-00000005.damaged" / damaged_file).exists()
+
+
+def test_with_every_checkpoint_damaged_it_stops_with_one_line(common_args, tmp_path):
+    args = [*common_args, *EXACT]
+    stopped = interrupted(tmp_path, args, "sigterm", after_step=5)
+    checkpoints = stopped.exp_dir / "checkpoints"
+    for name in ("step-00000004", "step-00000005"):
+        damage(checkpoints / name / "checkpoint.pt")
+    with measured() as cost:
+        run = run_chapter("01", args, tmp_path, experiment="interrupted", expect_ok=False)
+    assert_fails_with_one_line(run, f"error: every checkpoint in {checkpoints} is damaged", cost)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004.damaged", "step-00000005.damaged"]
+
+
+def test_max_steps_beyond_one_epoch_trains_that_many_steps(common_args, launch_once):
+    """As in Hugging Face's Trainer, --max-steps wins over --num-epochs (default 1): the tiny data set gives 11
+    steps of 64 sequences an epoch, so 15 steps run into a second epoch instead of stopping after 11."""
+    run = launch_once("01", [*common_args, "-b", 64, "--max-steps", 15])
+    assert [m["step"] for m in run.metrics] == list(range(1, 16))
+    assert [m["epoch"] for m in run.metrics] == [0] * 11 + [1] * 4

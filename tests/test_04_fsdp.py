@@ -13,7 +13,9 @@ import pytest
 import torch
 import transformers
 
-from conftest import CHAPTERS, load_weights, max_weight_diff, offline_env, run_chapter, write_tiny_model
+from conftest import (
+    CHAPTERS, INJECT, inject_env, load_weights, max_weight_diff, offline_env, run_chapter, write_tiny_model,
+)
 
 GLOBAL_BATCH = 8
 STEPS = 12
@@ -23,28 +25,6 @@ STOP_AFTER = 3  # the interrupted run stops after this step
 # reduce-scatter, garbage RoPE buffers, optimizer state not restored) changes.
 LOSS_TOLERANCE = 1e-5
 WEIGHT_TOLERANCE = 1e-4
-INTERRUPT = Path(__file__).with_name("interrupt_run.py")
-
-
-@pytest.fixture(scope="module")
-def run_cache():
-    return {}
-
-
-@pytest.fixture
-def launch(run_cache, common_args, tmp_path_factory):
-    """Launch once per name in this module, so several tests share one run (each launch costs 5-15 s)."""
-
-    def launch_once(name, chapter, extra_args, nproc=None, extra_env=None, **kwargs):
-        if name not in run_cache:
-            tmp_path = tmp_path_factory.mktemp(name)
-            env = {**offline_env(tmp_path), **(extra_env or {})}
-            run_cache[name] = run_chapter(
-                chapter, [*common_args, "--max-steps", STEPS, *extra_args], tmp_path, nproc=nproc, env=env, **kwargs
-            )
-        return run_cache[name]
-
-    return launch_once
 
 
 def on(nproc):
@@ -52,13 +32,27 @@ def on(nproc):
 
 
 @pytest.fixture
+def launch(launch_once, common_args):
+    """A STEPS-step run of a chapter on nproc ranks (-b keeps the global batch), shared across tests. Chapter
+    04 runs through tests/inject.py, which prints what each rank holds after its first step (shard_bytes)."""
+
+    def launch_chapter(chapter, nproc=None, flags=()):
+        args = [*common_args, "--max-steps", STEPS, *on(nproc or 1), *flags]
+        if chapter != "04":
+            return launch_once(chapter, args, nproc=nproc)
+        return launch_once(chapter, args, nproc=nproc, script=INJECT, env=inject_env("04", "shard-bytes"))
+
+    return launch_chapter
+
+
+@pytest.fixture
 def single_process(launch):
-    return launch("chapter-01", "01", on(1))
+    return launch("01")
 
 
 @pytest.fixture
 def fsdp_two_ranks(launch):
-    return launch("fsdp-2-ranks", "04", on(2), nproc=2)
+    return launch("04", 2)
 
 
 def assert_same_training(ours, reference):
@@ -72,8 +66,7 @@ def assert_same_training(ours, reference):
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_fsdp_matches_single_process_and_ddp(launch, single_process, nproc):
-    fsdp = launch(f"fsdp-{nproc}-ranks", "04", on(nproc), nproc=nproc)
-    ddp = launch(f"ddp-{nproc}-ranks", "02", on(nproc), nproc=nproc)
+    fsdp, ddp = launch("04", nproc), launch("02", nproc)
 
     # the run trains (so agreeing numbers mean something): the loss falls well below its start
     assert single_process.losses[-1] < single_process.losses[0] - 0.5
@@ -81,25 +74,24 @@ def test_fsdp_matches_single_process_and_ddp(launch, single_process, nproc):
     assert_same_training(fsdp, ddp)
 
 
-@pytest.mark.parametrize("name,nproc,flags", [
-    ("cpu-offload", 2, ["--cpu-offload"]),
-    # HSDP: two copies of the model, each sharded over 2 ranks
-    ("hsdp-2x2", 4, ["--replicate-degree", 2]),
-])
-def test_cpu_offload_and_hsdp_match_single_process(launch, single_process, name, nproc, flags):
-    assert_same_training(launch(name, "04", [*on(nproc), *flags], nproc=nproc), single_process)
+HSDP_2X2 = ["--replicate-degree", 2]  # two copies of the model, each sharded over 2 ranks
 
 
-def sharded_bytes(run):
-    """{rank: {"parameters": [local, full], "gradients": [...], "optimizer_state": [...]}} printed by each rank."""
-    lines = re.findall(r"rank (\d+): sharded_bytes (\{.*\})", run.stdout)
+@pytest.mark.parametrize("nproc,flags", [(2, ["--cpu-offload"]), (4, HSDP_2X2)], ids=["cpu-offload", "hsdp-2x2"])
+def test_cpu_offload_and_hsdp_match_single_process(launch, single_process, nproc, flags):
+    assert_same_training(launch("04", nproc, flags), single_process)
+
+
+def shard_bytes(run):
+    """{rank: {"parameters": [local, full], "gradients": [...], "optimizer_state": [...]}} after step 1."""
+    lines = re.findall(r"rank (\d+): shard_bytes (\{.*\})", run.stdout)
     return {int(rank): json.loads(numbers) for rank, numbers in lines}
 
 
-@pytest.mark.parametrize("name,nproc,shards", [("fsdp-2-ranks", 2, 2), ("fsdp-4-ranks", 4, 4), ("hsdp-2x2", 4, 2)])
-def test_each_rank_holds_its_share_of_weights_gradients_and_optimizer_state(launch, tiny_model, name, nproc, shards):
-    flags = ["--replicate-degree", 2] if name.startswith("hsdp") else []
-    by_rank = sharded_bytes(launch(name, "04", [*on(nproc), *flags], nproc=nproc))
+@pytest.mark.parametrize("nproc,flags,shards", [(2, [], 2), (4, [], 4), (4, HSDP_2X2, 2)],
+                         ids=["fsdp-2-ranks", "fsdp-4-ranks", "hsdp-2x2"])
+def test_each_rank_holds_its_share_of_weights_gradients_and_optimizer_state(launch, tiny_model, nproc, flags, shards):
+    by_rank = shard_bytes(launch("04", nproc, flags))
     assert sorted(by_rank) == list(range(nproc))
 
     tensors = load_weights(tiny_model)
@@ -185,11 +177,10 @@ def test_fresh_init_matches_chapter_01s_init_and_recomputes_rope(tiny_dataset, t
 
 
 @pytest.fixture
-def interrupted(launch):
-    """Two ranks, each sending itself SIGTERM right after optimizer step STOP_AFTER (tests/interrupt_run.py)."""
-    return launch("interrupted", "04", on(2), nproc=2, expect_ok=False, script=INTERRUPT, extra_env={
-        "TRAIN_SCRIPT": str(CHAPTERS["04"] / "train_llm.py"), "SIGTERM_AFTER_STEP": str(STOP_AFTER),
-    })
+def interrupted(launch_once, common_args):
+    """Two ranks, each sending itself SIGTERM right after optimizer step STOP_AFTER (tests/inject.py)."""
+    return launch_once("04", [*common_args, "--max-steps", STEPS, *on(2)], nproc=2, expect_ok=False,
+                       script=INJECT, env=inject_env("04", "sigterm", after_step=STOP_AFTER))
 
 
 @pytest.mark.parametrize("nproc", [2, 4, 1])
@@ -198,7 +189,7 @@ def test_resume_from_a_two_rank_checkpoint_continues_the_uninterrupted_run(
 ):
     """Resume on the same 2 ranks, and on 4 and on 1 with -b changed to keep the global batch of 8."""
     assert interrupted.returncode != 0
-    assert interrupted.stderr.count(f"stopped by a signal after step {STOP_AFTER};") == 2, interrupted.stderr[-3000:]
+    assert interrupted.worker_stderr.count(f"stopped by a signal after step {STOP_AFTER};") == 2, interrupted.stderr[-3000:]
     assert [p.name for p in (interrupted.exp_dir / "checkpoints").iterdir()] == [f"step-{STOP_AFTER:08d}"]
 
     shutil.copytree(interrupted.exp_dir, tmp_path / "outputs" / "test")
@@ -238,7 +229,13 @@ def test_tied_embeddings_train_tied_and_export_once(common_args, tmp_path):
     assert_same_training(*runs)
     # one tensor for embeddings and lm_head, written once, as Hugging Face does
     assert load_weights(runs[1].exp_dir / "hf").keys() == load_weights(runs[0].exp_dir / "hf").keys()
-    assert "lm_head.weight" not in load_weights(runs[1].exp_dir / "hf")
+    # The head loaded from the export IS the embedding (not a copy, not a fresh matrix) and gives ch01's logits.
+    exported = transformers.AutoModelForCausalLM.from_pretrained(runs[1].exp_dir / "hf", dtype=torch.float32)
+    assert exported.get_output_embeddings().weight is exported.get_input_embeddings().weight
+    reference = transformers.AutoModelForCausalLM.from_pretrained(runs[0].exp_dir / "hf", dtype=torch.float32)
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        assert (exported(input_ids).logits - reference(input_ids).logits).abs().max() < 1e-4
 
 
 def test_a_model_without_known_blocks_fails_with_one_line(common_args, tmp_path):
@@ -252,7 +249,7 @@ def test_a_model_without_known_blocks_fails_with_one_line(common_args, tmp_path)
     assert run.returncode != 0
     # every rank stops with the message (a rank that went on would wait for the other in a collective until
     # run_chapter's timeout)
-    assert run.stderr.count("error: cannot find the transformer blocks of OpenAIGPTLMHeadModel to shard") == 2
+    assert run.worker_stderr.count("error: cannot find the transformer blocks of OpenAIGPTLMHeadModel to shard") == 2
 
 
 @pytest.mark.parametrize("config_class", [

@@ -7,13 +7,11 @@ one process does; measured differences are about 5e-7 (loss) and 6e-7 (weights) 
 """
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-from conftest import CHAPTERS, load_weights, max_weight_diff, offline_env, run_chapter, write_tiny_model
+from conftest import CHAPTERS, INJECT, inject_env, load_weights, max_weight_diff, run_chapter, write_tiny_model
 
-INTERRUPT = Path(__file__).with_name("interrupt_run.py")
 # NOTE: -b 8 on every TP rank is the batch that chapter 01 sees at -b 8. 10 steps, warmup 2, cosine after.
 PARITY = ["-b", 8, "--max-steps", 10]
 
@@ -50,45 +48,46 @@ runpy.run_path(script, run_name="__main__")
 '''
 
 
-@pytest.fixture(scope="module")
-def launches():
-    """Launches shared by several tests of this module (each costs seconds)."""
-    return {}
-
-
-def launch_once(launches, key, *run_args, **run_kwargs):
-    if key not in launches:
-        launches[key] = run_chapter(*run_args, **run_kwargs)
-    return launches[key]
+@pytest.fixture
+def single_process(common_args, launch_once):
+    return launch_once("01", [*common_args, *PARITY])
 
 
 @pytest.fixture
-def single_process(common_args, launches, tmp_path_factory):
-    return launch_once(launches, "01", "01", [*common_args, *PARITY], tmp_path_factory.mktemp("ch01"))
+def tp2(common_args, launch_once):
+    return launch_once("06", [*common_args, *PARITY], nproc=2)
 
 
-@pytest.fixture
-def tp2(common_args, launches, tmp_path_factory):
-    return launch_once(launches, "tp2", "06", [*common_args, *PARITY], tmp_path_factory.mktemp("tp2"), nproc=2)
+def assert_same_training(ours, reference):
+    assert len(ours.losses) == len(reference.losses) == 10
+    for step, (our_loss, reference_loss) in enumerate(zip(ours.losses, reference.losses), start=1):
+        assert abs(our_loss - reference_loss) < 1e-5, (step, our_loss, reference_loss)
+    # The gradient norm is computed from every rank's slices (DTensors); a norm over one rank's share would differ.
+    for our_metrics, reference_metrics in zip(ours.metrics, reference.metrics):
+        assert abs(our_metrics["grad_norm"] - reference_metrics["grad_norm"]) < 1e-4
+    assert max_weight_diff(ours.exp_dir / "hf", reference.exp_dir / "hf") < 1e-4
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_tp_matches_single_process_loss_and_weights(nproc, single_process, common_args, launches, tmp_path_factory):
-    tp = launch_once(launches, f"tp{nproc}", "06", [*common_args, *PARITY], tmp_path_factory.mktemp(f"tp{nproc}"),
-                     nproc=nproc)
-    assert len(tp.losses) == len(single_process.losses) == 10
-    for step, (tp_loss, reference_loss) in enumerate(zip(tp.losses, single_process.losses), start=1):
-        assert abs(tp_loss - reference_loss) < 1e-5, (step, tp_loss, reference_loss)
-    # The gradient norm is computed from every rank's slices (DTensors); a norm over one rank's share would differ.
-    for tp_metrics, reference_metrics in zip(tp.metrics, single_process.metrics):
-        assert abs(tp_metrics["grad_norm"] - reference_metrics["grad_norm"]) < 1e-4
-    assert max_weight_diff(tp.exp_dir / "hf", single_process.exp_dir / "hf") < 1e-4
+def test_tp_matches_single_process_loss_and_weights(nproc, single_process, common_args, launch_once):
+    assert_same_training(launch_once("06", [*common_args, *PARITY], nproc=nproc), single_process)
+
+
+@pytest.mark.parametrize("architecture,overrides", [("qwen3", {}), ("llama", {"tie_word_embeddings": True})],
+                         ids=["qwen3-per-head-norms", "llama-tied-embeddings"])
+def test_other_architectures_match_single_process(architecture, overrides, common_args, launch_once, tmp_path):
+    """Qwen3 normalises each head's queries and keys (q_norm, k_norm: parameters a Llama plan does not place);
+    a tied model shares one matrix between embedding and head."""
+    model = write_tiny_model(tmp_path / architecture, architecture=architecture, **overrides)
+    args = [*common_args, *PARITY, "-m", model]
+    assert_same_training(run_chapter("06", args, tmp_path, nproc=2, experiment="tp"),
+                         run_chapter("01", args, tmp_path, experiment="single"))
 
 
 def test_sigterm_then_relaunch_restores_adam_state(tp2, common_args, tmp_path):
     args = [*common_args, *PARITY]
-    env = {**offline_env(tmp_path), "TRAIN_SCRIPT": str(CHAPTERS["06"] / "train_llm.py"), "SIGTERM_AFTER_STEP": "4"}
-    stopped = run_chapter("06", args, tmp_path, nproc=2, script=INTERRUPT, env=env, expect_ok=False)
+    stopped = run_chapter("06", args, tmp_path, nproc=2, script=INJECT, env=inject_env("06", "sigterm", after_step=4),
+                          expect_ok=False)
     assert stopped.returncode == 1, stopped.stderr[-3000:]
     assert "stopped by a signal after step 4; relaunch the same command to resume" in stopped.stderr
     assert [p.name for p in (stopped.exp_dir / "checkpoints").iterdir()] == ["step-00000004"]
@@ -114,8 +113,7 @@ def fresh_init(tiny_dataset, tmp_path_factory):
     args = ["-m", model, "-d", tiny_dataset, "-s", 32, "--dtype", "float32", "--log-freq", 1, "-b", 4,
             "--max-steps", 3, "--warmup-steps", 1]
     single = run_chapter("01", args, tmp_path, experiment="single")
-    env = {**offline_env(tmp_path), "TRAIN_SCRIPT": str(CHAPTERS["06"] / "train_llm.py"),
-           "REPLICA_REPORT": str(tmp_path / "replicas.json")}
+    env = {"TRAIN_SCRIPT": str(CHAPTERS["06"] / "train_llm.py"), "REPLICA_REPORT": str(tmp_path / "replicas.json")}
     probe = tmp_path / "replica_probe.py"
     probe.write_text(REPLICA_PROBE)
     tp = run_chapter("06", args, tmp_path, nproc=2, script=probe, env=env, experiment="tp")
@@ -150,12 +148,17 @@ def test_tied_embedding_stays_tied(fresh_init):
     assert "lm_head.weight" not in weights or (weights["lm_head.weight"] == weights["model.embed_tokens.weight"]).all()
 
 
-def test_model_that_does_not_divide_fails_fast_on_every_rank(tiny_dataset, tmp_path):
-    model = write_tiny_model(tmp_path / "three-heads", hidden_size=96, num_attention_heads=3, num_key_value_heads=3)
-    run = run_chapter("06", ["-m", model, "-d", tiny_dataset, "-s", 32], tmp_path, nproc=2, expect_ok=False)
+def test_model_that_does_not_divide_fails_fast_on_every_rank_naming_every_size_and_the_ones_that_work(
+    tiny_dataset, tmp_path
+):
+    model = write_tiny_model(tmp_path / "six-heads", hidden_size=96, num_attention_heads=6, num_key_value_heads=6)
+    run = run_chapter("06", ["-m", model, "-d", tiny_dataset, "-s", 34], tmp_path, nproc=4, expect_ok=False)
     assert run.returncode != 0
-    message = ("error: tensor parallelism splits the model's 3 attention heads (num_attention_heads) over 2 ranks, "
-               "but 3 does not divide by 2; launch with a --nproc_per_node that divides 3")
+    # 4 ranks: 6 heads, 6 kv heads and 34 tokens do not divide by 4 (128 MLP channels and 272 entries do); all
+    # of them divide by 1 and 2 only.
+    message = ("error: tensor parallelism over 4 ranks splits sizes that do not divide by 4: 6 attention heads, "
+               "6 key/value heads, 34 tokens per sequence (-s, split by sequence parallelism); launch with "
+               "--nproc_per_node 1, 2 (these divide them all)")
     # Both ranks exit with the message (torchrun shows each failed rank's error), none hangs (timeout).
-    assert run.stderr.count(message) >= 2, run.stderr[-3000:]
+    assert run.worker_stderr.count(message) == 4, run.stderr[-3000:]
     assert not (run.exp_dir / "checkpoints").exists()

@@ -1,0 +1,127 @@
+"""Run a chapter's train_llm.py unchanged, plus one fault or probe at a known optimizer step.
+
+    INJECT_SCRIPT=<path to train_llm.py> INJECT=<what> [INJECT_RANK=r] [INJECT_AFTER_STEP=k] \
+        python tests/inject.py <the script's flags>          # or: torchrun ... tests/inject.py <flags>
+
+INJECT=sigterm        send this rank a real SIGTERM right after its k-th optimizer step (what Slurm sends)
+INJECT=sigint         the same with SIGINT (what Ctrl-C sends)
+INJECT=sigint-twice   two SIGINTs in a row (Ctrl-C pressed twice)
+INJECT=raise          raise RuntimeError on this rank right after its k-th optimizer step
+INJECT=kill-in-save   in the k-th torch.save of this launch write half of the file, then SIGKILL this process
+                      (a node dying mid-checkpoint: no handler, no cleanup)
+INJECT=shard-bytes    after the k-th step, print "rank r: shard_bytes {json}": the bytes of weights, gradients
+                      and optimizer state this rank holds, and those of the whole model
+INJECT=count-all-reduce  at exit, print "rank r: all_reduce_calls N": the script's own dist.all_reduce calls
+
+Only rank INJECT_RANK (default: every rank) is affected. Steps are counted with torch's public global
+optimizer hook, so the chapter script runs as __main__ exactly as `python train_llm.py` would run it: the
+signals are real, the save is torch.save's own bytes cut short. Not collected by pytest (no test_ prefix).
+"""
+import io
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+script = os.path.abspath(os.environ["INJECT_SCRIPT"])
+what = os.environ["INJECT"]
+after_step = int(os.environ.get("INJECT_AFTER_STEP", "1"))
+rank = int(os.environ.get("RANK", "0"))
+affected = os.environ.get("INJECT_RANK") in (None, str(rank))
+
+
+def say(line):
+    # One write with its newline: two ranks' lines on one stream cannot interleave.
+    sys.stderr.write(f"inject: {line}\n")
+    sys.stderr.flush()
+
+
+def shard_bytes(optimizer):
+    """[bytes on this rank, bytes of the whole model] of weights, gradients and optimizer state."""
+
+    def local_and_full(tensors):
+        tensors = list(tensors)
+        local = sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+        return [local, sum(t.numel() * t.element_size() for t in tensors)]
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return {
+        "parameters": local_and_full(params),
+        "gradients": local_and_full(p.grad for p in params if p.grad is not None),
+        "optimizer_state": local_and_full(
+            value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)
+        ),
+    }
+
+
+steps_done = 0
+
+
+def after_optimizer_step(optimizer, args, kwargs):
+    global steps_done
+    steps_done += 1
+    if not affected or steps_done != after_step:
+        return
+    if what == "shard-bytes":
+        sys.stdout.write(f"rank {rank}: shard_bytes {json.dumps(shard_bytes(optimizer))}\n")
+        sys.stdout.flush()
+        return
+    # The wall-clock time lets a test measure how long the job takes to end after the fault.
+    say(f"{what} on rank {rank} after step {steps_done} at {time.time():.3f}")
+    if what == "raise":
+        raise RuntimeError(f"injected failure on rank {rank} after step {steps_done}")
+    for _ in range(2 if what == "sigint-twice" else 1):
+        os.kill(os.getpid(), signal.SIGTERM if what == "sigterm" else signal.SIGINT)
+
+
+if what in ("sigterm", "sigint", "sigint-twice", "raise", "shard-bytes"):
+    register_optimizer_step_post_hook(after_optimizer_step)
+elif what == "kill-in-save":
+    real_save, saves_done = torch.save, 0
+
+    def save_then_die_halfway(obj, f, *args, **kwargs):
+        global saves_done
+        saves_done += 1
+        if not affected or saves_done < after_step:
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        with open(f, "wb") as out:
+            out.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+            out.flush()
+            os.fsync(out.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    torch.save = save_then_die_halfway
+elif what == "count-all-reduce":
+    real_all_reduce, all_reduce_calls = dist.all_reduce, 0
+
+    def counted_all_reduce(*args, **kwargs):
+        global all_reduce_calls
+        all_reduce_calls += 1
+        return real_all_reduce(*args, **kwargs)
+
+    # The chapter calls dist.all_reduce through the module, so it finds this one; DDP's and FSDP's own
+    # collectives run in C++ and are not counted.
+    dist.all_reduce = counted_all_reduce
+    real_exit = os._exit
+
+    def report_then_exit(code):
+        sys.stdout.write(f"rank {rank}: all_reduce_calls {all_reduce_calls}\n")
+        sys.stdout.flush()
+        real_exit(code)
+
+    os._exit = report_then_exit
+else:
+    raise SystemExit(f"inject.py: unknown INJECT={what!r}")
+
+sys.argv = [script, *sys.argv[1:]]
+sys.path[0] = os.path.dirname(script)  # as `python train_llm.py` would set it
+runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,89 @@
+"""Each chapter script is its parent chapter's script plus the lines of one technique: the diffs stay small, and
+every helper that the technique does not touch is the same text in both. Also checks the one piece of
+arithmetic every chapter shares, the FLOP count behind MFU, against a count by hand."""
+import ast
+import difflib
+import runpy
+
+import pytest
+import transformers
+
+from conftest import CHAPTERS, TINY_LLAMA
+
+# (parent, chapter): the most changed lines `diff parent chapter` may show, and the functions that carry the
+# technique (all others must be identical). The top README prints these numbers.
+CHAPTER_DIFFS = {
+    ("01", "02"): (180, {"main", "run_on_rank_0", "report_exit"}),
+    ("02", "04"): (255, {"main", "make_device_mesh", "build_model", "shard_model", "transformer_blocks",
+                         "initialize_weights", "load_pretrained_weights", "save_checkpoint", "load_checkpoint",
+                         "export_hf", "get_parser"}),
+    ("04", "05"): (110, {"main", "get_parser", "build_model", "shard_model", "load_pretrained_weights"}),
+    ("04", "06"): (275, {"main", "make_device_mesh", "build_model", "shard_model", "transformer_blocks",
+                         "initialize_weights", "load_pretrained_weights", "check_tensor_parallel_fits",
+                         "tensor_parallelize", "get_parser"}),
+    ("06", "07"): (70, {"main", "get_parser", "shard_model", "make_device_mesh", "check_tensor_parallel_fits"}),
+}
+SCRIPTS = sorted({chapter for pair in CHAPTER_DIFFS for chapter in pair})
+
+
+def script(chapter):
+    return (CHAPTERS[chapter] / "train_llm.py").read_text()
+
+
+def changed_lines(parent, chapter):
+    diff = difflib.unified_diff(script(parent).splitlines(), script(chapter).splitlines(), lineterm="", n=0)
+    return [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+
+
+def functions(source):
+    """Top-level function name -> its source text."""
+    return {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
+            if isinstance(node, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("parent,chapter", CHAPTER_DIFFS, ids=[f"{a}-{b}" for a, b in CHAPTER_DIFFS])
+def test_chapter_diff_stays_within_its_bound(parent, chapter):
+    bound, _ = CHAPTER_DIFFS[parent, chapter]
+    assert len(changed_lines(parent, chapter)) <= bound, (
+        f"{len(changed_lines(parent, chapter))} changed lines from chapter {parent} to {chapter}"
+    )
+
+
+@pytest.mark.parametrize("parent,chapter", CHAPTER_DIFFS, ids=[f"{a}-{b}" for a, b in CHAPTER_DIFFS])
+def test_helpers_outside_the_technique_are_the_parents_text(parent, chapter):
+    _, technique = CHAPTER_DIFFS[parent, chapter]
+    ours, theirs = functions(script(chapter)), functions(script(parent))
+    differing = [name for name in ours.keys() & theirs.keys() - technique if ours[name] != theirs[name]]
+    assert not differing, f"chapter {chapter} changes {differing} of chapter {parent}, outside its technique"
+
+
+def test_every_script_line_fits_110_characters():
+    long_lines = [f"{chapter}:{number}" for chapter in SCRIPTS
+                  for number, line in enumerate(script(chapter).splitlines(), 1) if len(line) > 115]
+    assert not long_lines, long_lines
+
+
+def hand_count(config, seq_length, tied):
+    """6 FLOPs per matmul weight per token + 12 * layers * hidden * seq_length for attention scores."""
+    hidden, layers, inter, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size
+    head_dim = hidden // config.num_attention_heads
+    per_layer = (
+        hidden * hidden  # q_proj
+        + 2 * hidden * config.num_key_value_heads * head_dim  # k_proj, v_proj
+        + hidden * hidden  # o_proj
+        + 3 * hidden * inter  # gate, up, down
+        + 2 * hidden  # two RMSNorm weights
+    )
+    # The output head is a matmul whether or not it shares its matrix with the embedding (a lookup).
+    matmul_weights = layers * per_layer + hidden + vocab * hidden
+    return 6 * matmul_weights + 12 * layers * hidden * seq_length
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("chapter", SCRIPTS)
+def test_flops_per_token_counts_the_output_head_also_when_tied(chapter, tied):
+    flops_per_token = runpy.run_path(str(CHAPTERS[chapter] / "train_llm.py"))["training_flops_per_token"]
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, "num_key_value_heads": 2, "tie_word_embeddings": tied})
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
+    assert flops_per_token(model, config, 128) == hand_count(config, 128, tied)

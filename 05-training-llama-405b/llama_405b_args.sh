@@ -1,0 +1,16 @@
+# The train_llm.py flags of the Llama 3.1 405B run, sourced by job.sbatch and ssh_launch.sh (one list, so the
+# two launchers cannot drift apart; tests/test_05_405b.py parses every flag with train_llm.py's own parser).
+# The layout and why: README.md ("The 405B layout"), checked by: python plan_memory.py --cpu-offload ...
+#
+# MODEL_DIR: the folder download_model.py filled (same path on every node); DATASET: a Hub id or local data.
+model_dir=${MODEL_DIR:-/local/models/Llama-3.1-405B}
+dataset=${DATASET:-roneneldan/TinyStories}
+train_args=(
+    -m "$model_dir" --from-pretrained -d "$dataset"
+    # 1 sequence of 4096 tokens per GPU: 64 sequences (262k tokens) per step.
+    -b 1 -s 4096 --dtype bfloat16 --lr 1e-5 --warmup-steps 100
+    --cpu-offload --activation-checkpointing --explicit-prefetch
+    --timeout-minutes 60
+    # A checkpoint is 4.9 TB (fp32 weights and Adam moments): every 500 steps, not every 100.
+    --ckpt-freq 500 --log-freq 1
+)

@@ -1,0 +1,326 @@
+"""Chapter 05 (Llama 405B): every rank reads only its own slices of the pretrained weights and gets the logits
+of from_pretrained; activation checkpointing and explicit prefetch train as chapter 04 does with less activation
+memory; the memory planner counts exactly the bytes the runs hold; the launch files pass only flags the script
+takes; bad checkpoints fail on every rank with one line.
+"""
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import transformers
+
+from conftest import INJECT, ROOT, inject_env, load_weights, run_chapter, write_tiny_model
+
+CHAPTER = ROOT / "05-training-llama-405b"
+SCRIPT = CHAPTER / "train_llm.py"
+PLANNER = CHAPTER / "plan_memory.py"
+STEPS = 12
+LOSS_TOLERANCE = 1e-5  # fp32, as in tests/test_04_fsdp.py
+# A model big enough that a full copy (39 MB in fp32) stands far above one tensor (2 MB), with every size
+# divisible by 2 and 4 ranks.
+BIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+           num_key_value_heads=4, max_position_embeddings=512)
+# NOTE: glibc serves big allocations from mmap and returns them on free only above this fixed threshold; its
+# default threshold grows at run time, and freed activations would then stay resident and hide the next peak.
+EXACT_RSS = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+# Runs chapter 05's script unchanged (as __main__) and measures each rank's resident memory (Linux VmHWM, reset
+# through /proc/self/clear_refs): the growth while safetensors files are open (the load), and from the start of
+# forward number PROBE_STEP to its optimizer step (activations). It also saves the logits of the first forward
+# and the token ids that went in.
+PROBE = r'''
+import json, os, runpy, sys
+import safetensors
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+script, out = os.environ["TRAIN_SCRIPT"], os.environ["PROBE_OUT"]
+rank = int(os.environ["RANK"])
+measure_step = int(os.environ["PROBE_STEP"])
+report = {"load_peak": 0, "forwards": 0}
+
+
+def memory():
+    with open("/proc/self/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmRSS", "VmHWM")}
+
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+real_safe_open = safetensors.safe_open
+
+
+class measured_safe_open:
+    def __init__(self, *args, **kwargs):
+        self.inner = real_safe_open(*args, **kwargs)
+
+    def __enter__(self):
+        if "load_start" not in report:
+            reset_peak()
+            report["load_start"] = memory()["VmRSS"]
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        result = self.inner.__exit__(*exc)
+        report["load_peak"] = max(report["load_peak"], memory()["VmHWM"] - report["load_start"])
+        return result
+
+
+safetensors.safe_open = measured_safe_open
+
+
+def before_forward(module, inputs):
+    if isinstance(module, torch.nn.Embedding) and report["forwards"] == 1 and "input_ids" not in report:
+        report["input_ids"] = inputs[0].tolist()
+    if type(module).__name__.endswith("ForCausalLM"):
+        report["forwards"] += 1
+        if report["forwards"] == measure_step:
+            reset_peak()
+            report["before_step"] = memory()["VmRSS"]
+
+
+def after_forward(module, inputs, output):
+    if type(module).__name__.endswith("ForCausalLM") and report["forwards"] == 1:
+        torch.save(output.logits.detach().clone(), f"{out}.rank{rank}.pt")
+
+
+def before_optimizer_step(optimizer, args, kwargs):
+    if report["forwards"] == measure_step:
+        report["activation_peak"] = memory()["VmHWM"] - report["before_step"]
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(report, f)
+
+
+torch.nn.modules.module.register_module_forward_pre_hook(before_forward)
+torch.nn.modules.module.register_module_forward_hook(after_forward)
+register_optimizer_step_pre_hook(before_optimizer_step)
+sys.argv = [script, *sys.argv[1:]]
+sys.path[0] = os.path.dirname(script)
+runpy.run_path(script, run_name="__main__")
+'''
+
+
+def load_module(path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# NOTE: in this process: a python start with transformers costs 5-10 s on a busy 2-core machine.
+planner = load_module(PLANNER)
+
+
+def plan(*args):
+    """plan_memory.py's plan for these command-line arguments, as a dict of bytes."""
+    parsed = planner.get_parser().parse_args(list(map(str, args)))
+    return planner.make_plan(planner.load_config(parsed.model), parsed)
+
+
+@pytest.fixture(scope="module")
+def big_models(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("big")
+    untied = write_tiny_model(folder / "untied", **BIG)
+    # Llama 3.1 ships bf16 weights: the load converts them to the fp32 master weights.
+    transformers.AutoModelForCausalLM.from_pretrained(untied, dtype=torch.bfloat16).save_pretrained(untied)
+    tied = write_tiny_model(folder / "tied", seed=1, tie_word_embeddings=True, **BIG)
+    return {"untied": untied, "tied": tied}
+
+
+# (model, ranks, -s, flags): each launch checks the load (logits, memory) and measures activations.
+PROBED = [("untied", 2, 256, []), ("untied", 4, 128, []), ("tied", 2, 256, ["--activation-checkpointing"]),
+          ("tied", 4, 128, ["--activation-checkpointing"])]
+PROBED_IDS = [f"{model}-{nproc}-ranks" for model, nproc, _, _ in PROBED]
+
+
+@pytest.fixture(scope="module")
+def probed(big_models, tiny_dataset, tmp_path_factory):
+    """{(model, ranks, -s, flags): per-rank reports} of two steps from the pretrained big models."""
+    probe = tmp_path_factory.mktemp("probe") / "probe.py"
+    probe.write_text(PROBE)
+    reports = {}
+    for model, nproc, seq_length, flags in PROBED:
+        tmp_path = tmp_path_factory.mktemp(f"{model}-{nproc}")
+        env = {**EXACT_RSS, "TRAIN_SCRIPT": str(SCRIPT), "PROBE_OUT": str(tmp_path / "probe"),
+               "PROBE_STEP": "2"}
+        run_chapter("05", ["-m", big_models[model], "--from-pretrained", "-d", tiny_dataset, "-s", seq_length,
+                           "-b", 2, "--dtype", "float32", "--max-steps", 2, "--warmup-steps", 1, *flags],
+                    tmp_path, nproc=nproc, env=env, script=probe)
+        reports[model, nproc, seq_length, tuple(flags)] = [
+            {**json.loads((tmp_path / f"probe.rank{rank}.json").read_text()),
+             "logits": torch.load(tmp_path / f"probe.rank{rank}.pt")} for rank in range(nproc)
+        ]
+    return reports
+
+
+@pytest.mark.parametrize("model,nproc,seq_length,flags", PROBED, ids=PROBED_IDS)
+def test_sharded_load_gives_from_pretrained_logits_on_every_rank(
+    probed, big_models, model, nproc, seq_length, flags
+):
+    reference = transformers.AutoModelForCausalLM.from_pretrained(big_models[model], dtype=torch.float32).eval()
+    tied = reference.get_output_embeddings().weight is reference.get_input_embeddings().weight
+    assert tied == (model == "tied")
+    for report in probed[model, nproc, seq_length, tuple(flags)]:
+        with torch.no_grad():
+            expected = reference(torch.tensor(report["input_ids"]), use_cache=False).logits
+        # NOTE: fp32; the sharded model sums in the same order on CPU, so only rounding differs (measured 0).
+        assert (report["logits"] - expected).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("model,nproc,seq_length,flags", PROBED, ids=PROBED_IDS)
+def test_loading_adds_at_most_one_tensor_to_any_rank(probed, big_models, model, nproc, seq_length, flags):
+    weights = load_weights(big_models[model])
+    model_bytes = 4 * sum(t.numel() for t in weights.values())  # as fp32 master weights
+    largest_tensor = 4 * max(t.numel() for t in weights.values())
+    for rank, report in enumerate(probed[model, nproc, seq_length, tuple(flags)]):
+        # The rank's shard was allocated before the load; reading fills it in place, one tensor's rows at a
+        # time. Rank 0 loading the whole model, as chapter 04 does, would add model_bytes (39 MB) here.
+        # NOTE: 1 MB for page tables and allocator slack, measured under 0.7 MB.
+        assert report["load_peak"] < largest_tensor + 2**20 < model_bytes / 8, (rank, report["load_peak"])
+
+
+@pytest.mark.parametrize("model,nproc,seq_length,flags", PROBED, ids=PROBED_IDS)
+def test_planner_step_estimate_is_within_20_percent_of_measured(
+    probed, big_models, model, nproc, seq_length, flags
+):
+    """What a step adds to a rank's memory at its peak: the planner's activations plus the gathered weights and
+    gradients of the blocks in flight (the gradient shards were freed by zero_grad(set_to_none=True))."""
+    estimate = plan(big_models[model], "--nodes", 1, "--gpus-per-node", nproc, "-b", 2, "-s", seq_length,
+                    "--dtype", "float32", *flags)["per_gpu"]
+    planned = estimate["activations"] + estimate["gathered_weights"] + estimate["gathered_gradients"]
+    for rank, report in enumerate(probed[model, nproc, seq_length, tuple(flags)]):
+        measured = report["activation_peak"]
+        print(f"{model} -s {seq_length} {flags} rank {rank}: a step adds {measured / 1e6:.1f} MB, planned "
+              f"{planned / 1e6:.1f} MB, of which activations {estimate['activations'] / 1e6:.1f} MB")
+        assert abs(planned / measured - 1) < 0.2, (rank, measured, estimate)
+
+
+def test_activation_checkpointing_lowers_the_peak_of_a_step(probed):
+    """At -s 256 (2 ranks) and -s 128 (4 ranks), with checkpointing against without; tying the head changes
+    no activation. The gathered weights and gradients (31 MB) are the same in both."""
+    for seq_length, nproc in ((256, 2), (128, 4)):
+        full = probed["untied", nproc, seq_length, ()][0]["activation_peak"]
+        checkpointed = probed["tied", nproc, seq_length, ("--activation-checkpointing",)][0]["activation_peak"]
+        # NOTE: measured 102 -> 66 MB at -s 256, 68 -> 49 MB at -s 128
+        assert checkpointed < 0.8 * full, (seq_length, checkpointed, full)
+
+
+@pytest.fixture(scope="module")
+def parity_args(tiny_model, tiny_dataset):
+    """chapter 04's test flags (tests/test_04_fsdp.py) on 2 ranks, so this launch of chapter 04 is shared."""
+    return ["-m", tiny_model, "--from-pretrained", "-d", tiny_dataset, "-s", 32, "--dtype", "float32",
+            "--log-freq", 1, "--warmup-steps", 2, "--max-steps", STEPS, "-b", 4]
+
+
+@pytest.fixture(scope="module")
+def chapter_04(launch_once, parity_args):
+    return launch_once("04", parity_args, nproc=2, script=INJECT, env=inject_env("04", "shard-bytes"))
+
+
+@pytest.fixture(scope="module")
+def chapter_05(launch_once, parity_args):
+    """chapter 05 on 2 ranks; tests/inject.py prints what each rank holds after step 1."""
+    env = {**inject_env("04", "shard-bytes"), "INJECT_SCRIPT": str(SCRIPT)}
+    return launch_once("05", parity_args, nproc=2, script=INJECT, env=env)
+
+
+@pytest.mark.parametrize("flags", [[], ["--activation-checkpointing", "--explicit-prefetch"]],
+                         ids=["plain", "checkpointing-and-prefetch"])
+def test_loss_matches_chapter_04_step_by_step(launch_once, chapter_04, chapter_05, parity_args, flags):
+    run = launch_once("05", [*parity_args, *flags], nproc=2, script=SCRIPT) if flags else chapter_05
+    steps = list(range(1, STEPS + 1))
+    assert [m["step"] for m in run.metrics] == [m["step"] for m in chapter_04.metrics] == steps
+    assert chapter_04.losses[-1] < chapter_04.losses[0] - 0.5  # it trains, so agreement means something
+    for ours, theirs in zip(run.metrics, chapter_04.metrics):
+        assert abs(ours["loss"] - theirs["loss"]) < LOSS_TOLERANCE, (ours, theirs)
+        assert abs(ours["grad_norm"] - theirs["grad_norm"]) < 1e-4 * theirs["grad_norm"], (ours, theirs)
+
+
+def test_planner_counts_the_weight_gradient_and_adam_bytes_each_rank_holds(chapter_05, tiny_model):
+    held = {int(rank): json.loads(numbers)
+            for rank, numbers in re.findall(r"rank (\d+): shard_bytes (\{.*\})", chapter_05.stdout)}
+    estimate = plan(tiny_model, "--nodes", 1, "--gpus-per-node", 2, "--dtype", "float32", "-s", 32)
+    assert estimate["error"] is None and sorted(held) == [0, 1]
+    # the planner reports the fullest rank (rank 0: fully_shard gives it ceil(rows / ranks) of every weight)
+    for key in ("parameters", "gradients", "optimizer_state"):
+        assert estimate["per_gpu"][key] == max(held[rank][key][0] for rank in held), key
+
+
+def launch_file_args(model_dir, dataset):
+    """The train_llm.py flags that llama_405b_args.sh gives both launchers, as bash expands them."""
+    shown = subprocess.run(
+        ["bash", "-c", f'source {CHAPTER / "llama_405b_args.sh"} && printf "%s\\n" "${{train_args[@]}}"'],
+        capture_output=True, text=True, check=True, env={"MODEL_DIR": str(model_dir), "DATASET": str(dataset)},
+    )
+    return shown.stdout.splitlines()
+
+
+def test_every_flag_the_launch_files_pass_parses(tiny_model, tiny_dataset):
+    for launcher in ("job.sbatch", "ssh_launch.sh"):
+        text = (CHAPTER / launcher).read_text()
+        assert 'source "$' in text and "llama_405b_args.sh" in text and '"${train_args[@]}"' in text, launcher
+    assert "TRAIN_SCRIPT=" in (CHAPTER / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=8" in (CHAPTER / "job.sbatch").read_text()
+    args = launch_file_args(tiny_model, tiny_dataset)
+    # argparse exits (and the test fails) on any flag it does not know, or a value it rejects
+    parsed = load_module(SCRIPT).get_parser().parse_args(args)
+    assert parsed.from_pretrained and parsed.cpu_offload and parsed.activation_checkpointing
+    # the layout the launch files run is the one the planner says fits
+    estimate = plan("--nodes", 8, "--gpus-per-node", 8, "-b", parsed.batch_size, "-s", parsed.seq_length,
+                    "--cpu-offload", "--activation-checkpointing", "--explicit-prefetch")
+    assert estimate["error"] is None and estimate["largest_batch"] >= parsed.batch_size, estimate
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--replicate-degree", 3], "error: --replicate-degree 3 does not divide the 64 GPUs"),
+    (["--nodes", 160], "error: 1280 GPUs share each weight but model.layers.0.self_attn.k_proj.weight has"),
+    ([], "error: does not fit: "),
+], ids=["replicas-do-not-divide", "more-gpus-than-rows", "does-not-fit"])
+def test_planner_reports_a_bad_layout_with_one_line(flags, line, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(PLANNER), *map(str, flags)])
+    with pytest.raises(SystemExit) as exit:
+        planner.main()
+    assert exit.value.code == 1
+    printed = capsys.readouterr().out.splitlines()
+    assert [text for text in printed if text.startswith("error:")] == [
+        next(text for text in printed if text.startswith(line))
+    ], printed
+
+
+def checkpoint_without_safetensors(folder):
+    write_tiny_model(folder)
+    (folder / "model.safetensors").unlink()
+    return folder, f"error: {str(folder)!r} holds no *.safetensors files"
+
+
+def checkpoint_of_another_shape(folder):
+    write_tiny_model(folder)
+    write_tiny_model(folder.parent / "wider", intermediate_size=256)
+    (folder / "model.safetensors").write_bytes((folder.parent / "wider" / "model.safetensors").read_bytes())
+    return folder, "error: model.layers.0.mlp.gate_proj.weight is [256, 64] in"
+
+
+@pytest.mark.parametrize("make", [checkpoint_without_safetensors, checkpoint_of_another_shape],
+                         ids=["no-safetensors", "shapes-differ"])
+def test_a_bad_checkpoint_fails_on_every_rank_with_one_line(make, tiny_dataset, tmp_path):
+    folder, line = make(tmp_path / "model")
+    started = time.monotonic()
+    run = run_chapter("05", ["-m", folder, "--from-pretrained", "-d", tiny_dataset, "-s", 32, "-b", 4],
+                      tmp_path, nproc=2, expect_ok=False, script=SCRIPT)
+    assert run.returncode != 0
+    assert [text for text in run.worker_stderr.splitlines() if text.startswith("error:")] == [
+        next(text for text in run.worker_stderr.splitlines() if text.startswith(line))
+    ] * 2, run.stderr[-3000:]
+    # NOTE: a torchrun of two ranks takes about 10 s to start on a busy 2-core machine; a rank waiting for
+    # another in a collective would take the process-group timeout (60 minutes) instead.
+    assert time.monotonic() - started < 60
+    assert not (run.exp_dir / "checkpoints").exists() and not (run.exp_dir / "hf").exists()

@@ -281,3 +281,9 @@ def test_bad_data_gives_every_rank_the_same_line_and_leaves_checkpoints_alone(ca
     # ...and its summary names the real cause, not "Connection closed by peer"
     assert lines[0] in run.stderr[run.stderr.index("Root Cause"):]
     assert checksums(tmp_path / "outputs" / "test" / "checkpoints") == before
+
+
+def test_only_rank_0_shows_the_tokenize_progress_bar(launch_once):
+    """With the built-in corpus (no datasets cache) every rank tokenizes; only rank 0 says so."""
+    run = launch_once("02", ["--max-steps", 2], nproc=2)
+    assert run.stderr.count("tokenize and pack into rows of 129:   0%") == 1, run.stderr[-3000:]

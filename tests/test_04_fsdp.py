@@ -273,3 +273,22 @@ def load_chapter_04():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_a_damaged_sharded_checkpoint_is_set_aside_and_the_previous_one_resumes(
+    fsdp_two_ranks, common_args, tmp_path
+):
+    """A DCP checkpoint is one file per rank plus an index: cut one rank's file short, as a full disk would."""
+    args = [*common_args, "--max-steps", STEPS, *on(2), "--ckpt-freq", 2]
+    stopped = run_chapter("04", args, tmp_path, nproc=2, expect_ok=False, script=INJECT,
+                          env=inject_env("04", "sigterm", after_step=STOP_AFTER))
+    checkpoints = stopped.exp_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000003"]
+    shard = sorted((checkpoints / "step-00000003").glob("*.distcp"))[-1]
+    shard.write_bytes(shard.read_bytes()[:100])
+
+    resumed = run_chapter("04", args, tmp_path, nproc=2)
+    assert f"checkpoint {checkpoints / 'step-00000003'} is damaged ({shard.name} differs" in resumed.stderr
+    assert resumed.stdout.count("step-00000002 at step 2") == 2
+    assert resumed.losses == fsdp_two_ranks.losses
+    assert (checkpoints / "step-00000003.damaged" / shard.name).exists()

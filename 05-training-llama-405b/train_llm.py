@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+    StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record

@@ -8,9 +8,11 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,8 @@ CHAPTERS = {
     "07": ROOT / "07-2d-parallel",
 }
 INJECT = Path(__file__).with_name("inject.py")
+PRACTICE = CHAPTERS["03"] / "practice-cluster"
+SLURM_TOOLS = ("slurmctld", "slurmd", "sbatch", "srun", "munged", "nsenter", "unshare", "ip")
 # NOTE: a tiny Llama whose heads (4), kv heads (4), hidden (64) and vocab (272) divide by 1, 2 and 4 ranks.
 TINY_LLAMA = dict(
     vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -207,3 +211,24 @@ def max_weight_diff(hf_dir_a, hf_dir_b):
     a, b = load_weights(hf_dir_a), load_weights(hf_dir_b)
     assert a.keys() == b.keys()
     return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A running two-node practice cluster (03-job-launchers/practice-cluster); always torn down, also when a
+    test or up.sh fails. Tests that need it skip, with the reason, where it cannot run (not root, no Slurm)."""
+    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
+    if os.geteuid() != 0 or missing:
+        pytest.skip(f"needs root and {', '.join(missing) or 'nothing'} "
+                    "(apt-get install slurmctld slurmd slurm-client munge)")
+    # NOTE: munged (user munge) must reach its socket folder, so no 0700 pytest temp dir above the state.
+    state = Path(tempfile.mkdtemp(prefix="practice-cluster-"))
+    state.chmod(0o755)
+    try:
+        up = subprocess.run([PRACTICE / "up.sh", state], capture_output=True, text=True, timeout=120)
+        if up.returncode != 0:
+            pytest.fail(f"practice-cluster/up.sh failed:\n{up.stdout}\n{up.stderr}")
+        yield state
+    finally:
+        subprocess.run([PRACTICE / "down.sh", state], capture_output=True, timeout=120)
+        shutil.rmtree(state, ignore_errors=True)

@@ -14,13 +14,12 @@ import resource
 import shutil
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
 import transformers
 
-from conftest import CHAPTERS, INJECT, inject_env, max_weight_diff, run_chapter, write_tiny_model
+from conftest import INJECT, inject_env, max_weight_diff, run_chapter, write_tiny_model
 
 # NOTE: 8 steps with a checkpoint every 2: long enough to stop in the middle, short enough for a test.
 EXACT = ["--max-steps", 8, "--ckpt-freq", 2]

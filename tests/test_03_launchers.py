@@ -15,18 +15,15 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import CHAPTERS, offline_env, run_chapter
+from conftest import CHAPTERS, PRACTICE, offline_env, run_chapter
 
 CHAPTER = CHAPTERS["03"]
-PRACTICE = CHAPTER / "practice-cluster"
 TRAIN_SCRIPT = CHAPTERS["02"] / "train_llm.py"
-SLURM_TOOLS = ("slurmctld", "slurmd", "sbatch", "munged", "nsenter", "unshare", "ip")
 STEPS = 40
 GLOBAL_BATCH = 8
 LOSS_TOLERANCE = 1e-5
@@ -49,25 +46,6 @@ def reference_losses(train_args, tmp_path_factory):
     run = run_chapter("02", [*train_args, *batch_for(4)], tmp_path_factory.mktemp("reference"), nproc=4)
     assert len(run.losses) == STEPS
     return run.losses
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A running two-node practice cluster; always torn down, also when a test or up.sh fails."""
-    missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
-    if os.geteuid() != 0 or missing:
-        pytest.skip(f"needs root and {', '.join(missing) or 'nothing'} (apt-get install slurmctld slurmd slurm-client munge)")
-    # NOTE: munged (user munge) must reach its socket folder, so no 0700 pytest temp dir above the state.
-    state = Path(tempfile.mkdtemp(prefix="practice-cluster-"))
-    state.chmod(0o755)
-    try:
-        up = subprocess.run([PRACTICE / "up.sh", state], capture_output=True, text=True, timeout=120)
-        if up.returncode != 0:
-            pytest.fail(f"practice-cluster/up.sh failed:\n{up.stdout}\n{up.stderr}")
-        yield state
-    finally:
-        subprocess.run([PRACTICE / "down.sh", state], capture_output=True, timeout=120)
-        shutil.rmtree(state, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +149,7 @@ def test_sbatch_on_two_nodes_matches_one_node(cluster, work_dir, train_args, ref
     log = job_log(work_dir, job_id)
     assert state == "COMPLETED", log[-4000:]
     print(f"sbatch job on 2 nodes x 2 processes, {STEPS} steps: {time.monotonic() - started:.1f} s")
-    assert f"on node[0-1]: 2 nodes, rendezvous at node0:" in log
+    assert "on node[0-1]: 2 nodes, rendezvous at node0:" in log
     # NOTE: each node counts its own GPUs (none here) and falls back to PROCS_PER_NODE; 4 ranks at -b 2 are
     # also what makes the losses match the one-node run of 4 processes.
     assert all(f"{node}: 0 GPUs: torchrun --nproc-per-node=2\n" in log for node in ("node0", "node1")), log[-4000:]

@@ -7,7 +7,6 @@ The reference is chapter 01 on the whole global batch of 8 sequences for 12 step
 import json
 import re
 import shutil
-from pathlib import Path
 
 import pytest
 import torch

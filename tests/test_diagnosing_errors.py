@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -26,11 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, offline_env
+from conftest import PRACTICE, ROOT, offline_env
 
 FOLDER = ROOT / "diagnosing-errors"
-PRACTICE = ROOT / "03-job-launchers" / "practice-cluster"
-SLURM_TOOLS = ("slurmctld", "slurmd", "sbatch", "srun", "munged", "nsenter", "unshare", "ip")
 MARKER = "DIAGNOSING_ERRORS_TEST"
 MARK = uuid.uuid4().hex
 SHARED_MARK = f"{MARK}-shared"  # the launches that outlive single tests
@@ -245,26 +242,6 @@ def launches(tmp_path_factory):
 
 
 # --- the practice cluster: two nodes (first, so that its waits overlap the launches above) ---
-
-@pytest.fixture(scope="module")
-def cluster():
-    """A running two-node practice cluster (03-job-launchers/practice-cluster); always torn down."""
-    missing = [name for name in SLURM_TOOLS if shutil.which(name) is None]
-    if os.geteuid() != 0 or missing:
-        pytest.skip(f"needs root and {', '.join(missing) or 'nothing'} "
-                    "(apt-get install slurmctld slurmd slurm-client munge)")
-    # NOTE: munged (user munge) must reach its socket folder, so no 0700 pytest temp dir above the state.
-    state = Path(tempfile.mkdtemp(prefix="practice-cluster-"))
-    state.chmod(0o755)
-    try:
-        up = subprocess.run([PRACTICE / "up.sh", state], capture_output=True, text=True, timeout=120)
-        if up.returncode != 0:
-            pytest.fail(f"practice-cluster/up.sh failed:\n{up.stdout}\n{up.stderr}")
-        yield state
-    finally:
-        subprocess.run([PRACTICE / "down.sh", state], capture_output=True, timeout=120)
-        shutil.rmtree(state, ignore_errors=True)
-
 
 def slurm_env(cluster):
     return {"SLURM_CONF": str(cluster / "slurm.conf"), "PRACTICE_CLUSTER_DIR": str(cluster)}

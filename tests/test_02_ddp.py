@@ -188,7 +188,7 @@ def process_state(pid):
         return "gone"
 
 
-def test_a_failing_rank_stops_the_job_fast_and_torchrun_names_rank_and_cause(common_args, tmp_path):
+def test_a_failing_rank_stops_the_job_fast_and_torchrun_reports_its_rank_and_cause(common_args, tmp_path):
     failed = run_chapter("02", [*common_args, "-b", 8], tmp_path, nproc=2, expect_ok=False, script=INJECT,
                          env=inject_env("02", "raise", rank=1, after_step=2))
     ended = time.time()
@@ -198,9 +198,12 @@ def test_a_failing_rank_stops_the_job_fast_and_torchrun_names_rank_and_cause(com
     # NOTE: without torchrun tearing the job down, rank 0 would wait in its next all-reduce for the process
     # group timeout (30 minutes by default on gloo, 10 on nccl). torchrun polls its workers every 0.1 s.
     assert ended - injected_at < 60
-    report = failed.stderr[failed.stderr.index("Root Cause (first observed failure)"):]
-    assert re.search(r"rank\s*: 1 \(local_rank: 1\)", report), report
-    assert "RuntimeError: injected failure on rank 1 after step 2" in report
+    # torchrun's summary lists every failed rank with the traceback @record wrote. Its "Root Cause" is the
+    # earliest in whole seconds, so it may be rank 0's "Connection closed by peer" (a tie goes to the lowest
+    # rank): the test, like the README, looks for rank 1's own entry.
+    entries = re.split(r"\n\s*\[\d+\]:\n", failed.stderr[failed.stderr.index("Failures:"):])
+    rank_1 = [entry for entry in entries if re.search(r"rank\s*: 1 \(local_rank: 1\)", entry)]
+    assert len(rank_1) == 1 and "RuntimeError: injected failure on rank 1 after step 2" in rank_1[0], entries
 
 
 def test_without_torchrun_it_says_how_to_launch(common_args, tmp_path):

@@ -2,8 +2,9 @@
 every helper that the technique does not touch is the same text in both. Also checks the one piece of
 arithmetic every chapter shares, the FLOP count behind MFU, against a count by hand."""
 import ast
-import difflib
+import re
 import runpy
+import subprocess
 
 import pytest
 import transformers
@@ -13,7 +14,7 @@ from conftest import CHAPTERS, TINY_LLAMA
 # (parent, chapter): the most changed lines `diff parent chapter` may show, and the functions that carry the
 # technique (all others must be identical). The top README prints these numbers.
 CHAPTER_DIFFS = {
-    ("01", "02"): (180, {"main", "run_on_rank_0", "report_exit"}),
+    ("01", "02"): (175, {"main", "run_on_rank_0", "report_exit"}),
     ("02", "04"): (255, {"main", "make_device_mesh", "build_model", "shard_model", "transformer_blocks",
                          "initialize_weights", "load_pretrained_weights", "save_checkpoint", "load_checkpoint",
                          "export_hf", "get_parser"}),
@@ -21,7 +22,7 @@ CHAPTER_DIFFS = {
     ("04", "06"): (275, {"main", "make_device_mesh", "build_model", "shard_model", "transformer_blocks",
                          "initialize_weights", "load_pretrained_weights", "check_tensor_parallel_fits",
                          "tensor_parallelize", "get_parser"}),
-    ("06", "07"): (70, {"main", "get_parser", "shard_model", "make_device_mesh", "check_tensor_parallel_fits"}),
+    ("06", "07"): (60, {"main", "get_parser", "shard_model", "make_device_mesh", "check_tensor_parallel_fits"}),
 }
 SCRIPTS = sorted({chapter for pair in CHAPTER_DIFFS for chapter in pair})
 
@@ -31,8 +32,10 @@ def script(chapter):
 
 
 def changed_lines(parent, chapter):
-    diff = difflib.unified_diff(script(parent).splitlines(), script(chapter).splitlines(), lineterm="", n=0)
-    return [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    """The lines `diff parent chapter` marks < or >: what a reader who runs diff sees."""
+    paths = [CHAPTERS[name] / "train_llm.py" for name in (parent, chapter)]
+    output = subprocess.run(["diff", *paths], capture_output=True, text=True).stdout
+    return [line for line in output.splitlines() if line[:1] in "<>"]
 
 
 def functions(source):
@@ -47,6 +50,14 @@ def test_chapter_diff_stays_within_its_bound(parent, chapter):
     assert len(changed_lines(parent, chapter)) <= bound, (
         f"{len(changed_lines(parent, chapter))} changed lines from chapter {parent} to {chapter}"
     )
+
+
+def test_the_top_readme_shows_each_diffs_real_size():
+    readme = (CHAPTERS["01"].parent / "README.md").read_text()
+    rows = re.findall(r"^\| (\d\d) \| (\d\d) \| (\d+) \|", readme, re.MULTILINE)
+    assert {(parent, chapter) for chapter, parent, _ in rows} == set(CHAPTER_DIFFS)
+    for chapter, parent, shown in rows:
+        assert int(shown) == len(changed_lines(parent, chapter)), (parent, chapter, shown)
 
 
 @pytest.mark.parametrize("parent,chapter", CHAPTER_DIFFS, ids=[f"{a}-{b}" for a, b in CHAPTER_DIFFS])

@@ -22,6 +22,11 @@ def chapter_diff(old, new):
     return "".join(difflib.unified_diff(old_lines, new_lines, fromfile=old, tofile=new))
 
 
+def readmes():
+    """Chapter READMEs, and related-topics/' one README per topic."""
+    return sorted([*ROOT.glob("*/README.md"), *ROOT.glob("related-topics/*/README.md")])
+
+
 def diff_blocks(readme):
     """(old file, new file, block text in the README) for each marked diff."""
     return [match.groups() for match in MARKER.finditer(readme.read_text())]
@@ -38,5 +43,5 @@ def rewrite(readme):
 
 
 if __name__ == "__main__":
-    for readme in sorted(ROOT.glob("*/README.md")):
+    for readme in readmes():
         rewrite(readme)

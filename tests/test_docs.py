@@ -18,7 +18,9 @@ import pytest
 
 from conftest import ROOT, offline_env
 
-READMES = [ROOT / "README.md", *sorted(r for r in ROOT.glob("*/README.md") if not r.parent.name.startswith("."))]
+# related-topics/ holds a README per topic, one level further down.
+READMES = [ROOT / "README.md", *sorted(r for pattern in ("*/README.md", "related-topics/*/README.md")
+                                        for r in ROOT.glob(pattern) if not r.parent.name.startswith("."))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 NEEDS = re.compile(r"<!--\s*needs\b:?(.*?)-->")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from readme_diffs import ROOT, chapter_diff, diff_blocks
+from readme_diffs import ROOT, chapter_diff, diff_blocks, readmes
 
-READMES = sorted(ROOT.glob("*/README.md"))
+READMES = readmes()
 BLOCKS = [(readme, *block) for readme in READMES for block in diff_blocks(readme)]
 
 

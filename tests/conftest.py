@@ -26,6 +26,8 @@ CHAPTERS = {
     "05": ROOT / "05-training-llama-405b",
     "06": ROOT / "06-tensor-parallel",
     "07": ROOT / "07-2d-parallel",
+    "08": ROOT / "08-pipeline-parallel",
+    "09": ROOT / "09-3d-parallel",
 }
 INJECT = Path(__file__).with_name("inject.py")
 PRACTICE = CHAPTERS["03"] / "practice-cluster"
@@ -167,6 +169,16 @@ def write_tiny_dataset(path, num_files=2, documents_per_file=300, seed=0):
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def four_layer_models(tmp_path_factory):
+    """Tiny models deep enough for 4 pipeline stages: a Llama, and a Qwen3 whose embedding is its output head."""
+    return {
+        "llama": write_tiny_model(tmp_path_factory.mktemp("llama-4-layers"), num_hidden_layers=4),
+        "qwen3-tied": write_tiny_model(tmp_path_factory.mktemp("qwen3-4-layers-tied"), architecture="qwen3",
+                                       num_hidden_layers=4, tie_word_embeddings=True),
+    }
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,103 @@
+"""Chapter 08: a pipeline of stages over the ranks trains the same model to the same numbers as chapter 01 on
+one process at the same batch, under each schedule (GPipe, 1F1B, interleaved 1F1B), for a Llama and for a Qwen3
+whose embedding is tied to its head (the first and the last stage each hold a copy); a run stopped by SIGTERM
+resumes to the uninterrupted losses, on the same and on another split into stages; a layout that cannot work
+fails with one line.
+
+Tolerances (fp32 on CPU): losses 1e-5, gradient norms 1e-4 relative, weights 1e-4 (measured: 1e-6 and 2e-6).
+"""
+import shutil
+
+import pytest
+
+from conftest import INJECT, inject_env, load_weights, max_weight_diff, run_chapter
+
+BATCH = 8
+STEPS = 10
+STOP_AFTER = 4
+# (model, schedule, processes): 4 layers make 2 stages of 2 layers, 4 of 1, or (interleaved) 2 ranks x 2
+# stages. The tied Qwen3 runs where its first and last stage sit on different ranks (1F1B), and on ranks that
+# hold two stages each (interleaved); GPipe and 1F1B differ only in the order of the same work.
+LAYOUTS = [("llama", "gpipe", 2), ("llama", "interleaved-1f1b", 2), ("llama", "1f1b", 4),
+           ("qwen3-tied", "1f1b", 2), ("qwen3-tied", "interleaved-1f1b", 2)]
+
+
+@pytest.fixture
+def models(four_layer_models):
+    return four_layer_models
+
+
+@pytest.fixture
+def launch(launch_once, common_args, models):
+    """A STEPS-step run, shared across tests: chapter 01 (schedule None) or chapter 08."""
+
+    def launch_layout(model, schedule=None, nproc=None):
+        args = [*common_args, "-m", models[model], "--max-steps", STEPS, "-b", BATCH]
+        if schedule is None:
+            return launch_once("01", args)
+        return launch_once("08", [*args, "--schedule", schedule], nproc=nproc)
+
+    return launch_layout
+
+
+def assert_same_training(ours, reference, first_step=1):
+    assert [m["step"] for m in ours.metrics] == [m["step"] for m in reference.metrics] == list(range(1, STEPS + 1))
+    for mine, theirs in list(zip(ours.metrics, reference.metrics))[first_step - 1 :]:
+        assert abs(mine["loss"] - theirs["loss"]) < 1e-5, (mine, theirs)
+        # NOTE: clipping is active: a norm that missed a stage, or counted a tied matrix twice, shows here.
+        assert abs(mine["grad_norm"] - theirs["grad_norm"]) < 1e-4 * theirs["grad_norm"], (mine, theirs)
+    assert max_weight_diff(ours.exp_dir / "hf", reference.exp_dir / "hf") < 1e-4
+
+
+@pytest.mark.parametrize("model,schedule,nproc", LAYOUTS, ids=[f"{m}-{s}-{n}ranks" for m, s, n in LAYOUTS])
+def test_pipeline_matches_single_process(launch, model, schedule, nproc):
+    single_process = launch(model)
+    assert single_process.losses[-1] < single_process.losses[0] - 0.5
+    assert min(m["grad_norm"] for m in single_process.metrics) > 1.5
+    ours = launch(model, schedule, nproc)
+    assert f"rank {nproc - 1}: stages [" in ours.stdout
+    assert_same_training(ours, single_process)
+
+
+def test_a_tied_embedding_is_exported_once_as_the_head(launch):
+    ours = launch("qwen3-tied", "1f1b", 2)
+    # HF writes a tied matrix once: a separate lm_head.weight would mean the two stages' copies were untied.
+    assert "lm_head.weight" not in load_weights(ours.exp_dir / "hf")
+
+
+def test_sigterm_then_relaunch_on_the_same_and_on_another_split_continues_the_uninterrupted_run(
+    launch, common_args, models, tmp_path
+):
+    uninterrupted = launch("qwen3-tied", "1f1b", 2)
+    args = [*common_args, "-m", models["qwen3-tied"], "--max-steps", STEPS, "-b", BATCH]
+    stopped = run_chapter("08", [*args, "--schedule", "1f1b"], tmp_path, nproc=2, script=INJECT,
+                          env=inject_env("08", "sigterm", after_step=STOP_AFTER), expect_ok=False)
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
+    assert f"stopped by a signal after step {STOP_AFTER}; relaunch the same command to resume" in stopped.stderr
+    assert [p.name for p in (stopped.exp_dir / "checkpoints").iterdir()] == [f"step-{STOP_AFTER:08d}"]
+    shutil.copytree(stopped.exp_dir, tmp_path / "outputs" / "other-split")
+
+    # The checkpoint names each weight as in the whole model, so 2 ranks x 2 stages (interleaved) read it too.
+    resumed = run_chapter("08", [*args, "--schedule", "1f1b"], tmp_path, nproc=2)
+    resumed_elsewhere = run_chapter("08", [*args, "--schedule", "interleaved-1f1b"], tmp_path, nproc=2,
+                                    experiment="other-split")
+    for run in (resumed, resumed_elsewhere):
+        assert f"at step {STOP_AFTER}" in run.stdout, run.stdout[-2000:]
+        assert_same_training(run, uninterrupted, first_step=STOP_AFTER + 1)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-microbatches", 3], "error: --num-microbatches 3 does not divide -b 8; pass a divisor of the batch size"),
+    (["--stages-per-rank", 2], "error: --schedule 1f1b runs one stage per rank; use --stages-per-rank 2+ only "
+                               "with --schedule interleaved-1f1b"),
+    (["--schedule", "interleaved-1f1b", "-m", "{llama}", "--stages-per-rank", 4],
+     "error: 4 layers cannot fill 8 stages (2 pipeline ranks x 4 stages per rank), each stage needs a layer; "
+     "use fewer pipeline ranks or --stages-per-rank"),
+], ids=["microbatches", "stages-per-rank", "too-few-layers"])
+def test_a_layout_that_cannot_work_fails_with_one_line_on_every_rank(common_args, models, tmp_path, flags, message):
+    flags = [str(flag).format(**models) for flag in flags]
+    run = run_chapter("08", [*common_args, "-b", BATCH, *flags], tmp_path, nproc=2, expect_ok=False, timeout=60)
+    assert run.returncode != 0
+    assert run.worker_stderr.count(message) == 2, run.stderr[-3000:]
+    assert 'train_llm.py", line' not in run.stderr  # no traceback from the script
+    assert not (run.exp_dir / "checkpoints").exists()

@@ -3,6 +3,7 @@
     python submit.py --nodes 4 --gpus-per-node 8 --partition gpu --time 4:00:00 --chapter 02 -- -e my-run
     python submit.py --nodes 2 --procs-per-node 2 --chapter 02 --dry-run -- -e cpu-run    # nodes without GPUs
     python submit.py --nodes 2 --gpus-per-node 8 --script my_2d/train_llm.py -- --tp 4    # checks 4 divides 8
+    python submit.py --nodes 4 --gpus-per-node 8 --chapter 09 -- --pp 4 --tp 8          # checks 4 x 8 = 32 GPUs
 
 Arguments after `--` go to train_llm.py. The script submitted is job.sbatch with this job's #SBATCH options and
 arguments written in; it is kept as logs/<job-name>-<job-id>.sbatch beside the job's log, so `sbatch` of that
@@ -19,9 +20,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 JOB_TEMPLATE = HERE / "job.sbatch"
-# NOTE: the flags by which chapters take their parallel sizes; a size not given is 1 (tp) or "the rest" (dp).
+# NOTE: the flags by which chapters take their parallel sizes; a size not given is 1 (tp, pp) or "the rest" (dp).
 TP_FLAGS = ("--tp", "--tp-size", "--tensor-parallel-size")
 DP_FLAGS = ("--dp", "--dp-size", "--data-parallel-size")
+PP_FLAGS = ("--pp", "--pp-size", "--pipeline-parallel-size")
 
 
 def main():
@@ -111,7 +113,7 @@ def check_flags_exist(train_script, train_args):
     source = train_script.read_text()
     for arg in train_args:
         name = arg.partition("=")[0]
-        if name in TP_FLAGS + DP_FLAGS and f'"{name}"' not in source:
+        if name in TP_FLAGS + DP_FLAGS + PP_FLAGS and f'"{name}"' not in source:
             sys.exit(f"error: {train_script.parent.name}/train_llm.py takes no {name}; drop it or pick a chapter that does")
 
 
@@ -120,17 +122,24 @@ def check_layout(nodes, procs_per_node, on_gpus, train_args):
     world_size = nodes * procs_per_node
     unit = "--gpus-per-node" if on_gpus else "--procs-per-node"
     tp = flag_value(train_args, TP_FLAGS) or 1
+    pp = flag_value(train_args, PP_FLAGS) or 1
     dp = flag_value(train_args, DP_FLAGS)
-    if tp < 1 or (dp is not None and dp < 1):
-        sys.exit(f"error: parallel sizes must be 1 or more (got tp {tp}, dp {dp})")
+    if tp < 1 or pp < 1 or (dp is not None and dp < 1):
+        sys.exit(f"error: parallel sizes must be 1 or more (got pp {pp}, dp {dp}, tp {tp})")
     # NOTE: a tensor-parallel group exchanges activations in every layer: it must stay inside one node's fast
     # links, so its size divides the processes of a node.
     if procs_per_node % tp != 0:
         sys.exit(f"error: tensor-parallel size {tp} does not divide {unit} {procs_per_node}; a TP group must "
                  f"fit inside one node: use a TP size that divides {procs_per_node}")
-    if dp is not None and dp * tp != world_size:
-        sys.exit(f"error: dp {dp} x tp {tp} = {dp * tp} ranks, but --nodes {nodes} x {unit} {procs_per_node} = "
-                 f"{world_size} processes; make them equal (dp {world_size // tp} for tp {tp})")
+    # Pipeline stages take the ranks in blocks of dp x tp, so pp x tp must divide them; dp is the rest.
+    if world_size % (pp * tp) != 0:
+        sys.exit(f"error: pp {pp} x tp {tp} = {pp * tp} does not divide --nodes {nodes} x {unit} "
+                 f"{procs_per_node} = {world_size} processes; use sizes whose product divides {world_size}")
+    if dp is not None and pp * dp * tp != world_size:
+        sizes = f"dp {dp} x tp {tp} = {dp * tp}" if pp == 1 else f"pp {pp} x dp {dp} x tp {tp} = {pp * dp * tp}"
+        sys.exit(f"error: {sizes} ranks, but --nodes {nodes} x {unit} {procs_per_node} = "
+                 f"{world_size} processes; make them equal (dp {world_size // (pp * tp)} for"
+                 f"{f' pp {pp},' if pp > 1 else ''} tp {tp})")
 
 
 def flag_value(train_args, names):

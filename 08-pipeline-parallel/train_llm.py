@@ -1,4 +1,4 @@
-"""Train a causal language model on many devices with pipeline parallelism: each rank holds some of the layers.
+"""Train a causal language model on many devices with pipeline parallelism: each rank holds some layers.
 
     torchrun --nproc_per_node=2 train_llm.py              # tiny Llama, offline corpus, any laptop
     torchrun --nproc_per_node=4 train_llm.py -m meta-llama/Llama-3.2-1B -d roneneldan/TinyStories --lr 3e-4
@@ -125,7 +125,8 @@ def main():
         )
 
     optimizer = torch.optim.AdamW(
-        [p for stage in stages for p in stage.parameters()], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+        [p for stage in stages for p in stage.parameters()], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+        fused=device.type == "cuda",
     )
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, total_steps)
@@ -152,7 +153,9 @@ def main():
     # The schedule splits each batch into micro-batches and orders the forwards and backwards of every stage.
     # Each micro-batch's loss is the mean over its tokens, and the schedule divides the gradients by the number
     # of micro-batches (scale_grads): they are the mean over the batch, as in chapter 02.
-    pipeline_stages = [PipelineStage(stage, index, num_stages, device) for stage, index in zip(stages, stage_indices)]
+    pipeline_stages = [
+        PipelineStage(stage, index, num_stages, device) for stage, index in zip(stages, stage_indices)
+    ]
     loss_fn = lambda logits, labels: F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
     if args.schedule == "interleaved-1f1b":
         schedule = ScheduleInterleaved1F1B(pipeline_stages, args.num_microbatches, loss_fn=loss_fn)
@@ -205,7 +208,9 @@ def main():
         loss = torch.stack(micro_batch_losses).mean() if has_last_stage else torch.zeros((), device=device)
         if tied_copy is not None:
             dist.all_reduce(tied_copy.grad, group=tie_group)
-        grad_norm = clip_grad_norm_over_stages(stages, args.max_grad_norm, skip=tied_copy if has_last_stage else None)
+        grad_norm = clip_grad_norm_over_stages(
+            stages, args.max_grad_norm, skip=tied_copy if has_last_stage else None
+        )
         optimizer.step()
         # Read before the schedule advances, so the logged lr is the one this step used.
         step_lr = lr_schedule.get_last_lr()[0]

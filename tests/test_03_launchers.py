@@ -359,9 +359,9 @@ def submit_dry_run(*args, cwd=None):
 
 @pytest.fixture
 def script_with_parallel_sizes(tmp_path):
-    """A stand-in train_llm.py that takes --tp and --dp (the helper reads its flags, never runs it)."""
+    """A stand-in train_llm.py that takes --tp, --dp and --pp (the helper reads its flags, never runs it)."""
     script = tmp_path / "train_llm.py"
-    script.write_text('parser.add_argument("--tp")\nparser.add_argument("--dp")\n')
+    script.write_text('parser.add_argument("--tp")\nparser.add_argument("--dp")\nparser.add_argument("--pp")\n')
     return script
 
 
@@ -372,12 +372,24 @@ def script_with_parallel_sizes(tmp_path):
      "error: dp 2 x tp 4 = 8 ranks, but --nodes 2 x --gpus-per-node 8 = 16 processes"),
     (["--nodes", 1, "--procs-per-node", 4, "--", "--tp=8"],
      "error: tensor-parallel size 8 does not divide --procs-per-node 4"),
+    (["--nodes", 3, "--gpus-per-node", 8, "--", "--pp", 2, "--tp", 8],
+     "error: pp 2 x tp 8 = 16 does not divide --nodes 3 x --gpus-per-node 8 = 24 processes"),
+    (["--nodes", 4, "--gpus-per-node", 8, "--", "--pp", 4, "--dp", 2, "--tp", 8],
+     "error: pp 4 x dp 2 x tp 8 = 64 ranks, but --nodes 4 x --gpus-per-node 8 = 32 processes; make them equal "
+     "(dp 1 for pp 4, tp 8)"),
 ])
 def test_submit_rejects_layouts_that_do_not_fit_the_gpus(script_with_parallel_sizes, tmp_path, layout, message):
     result = submit_dry_run("--script", script_with_parallel_sizes, "--dry-run", *layout, cwd=tmp_path)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr
     assert not (tmp_path / "logs").exists()
+
+
+def test_submit_accepts_a_3d_layout_that_fills_the_gpus(tmp_path):
+    result = submit_dry_run("--nodes", 4, "--gpus-per-node", 8, "--chapter", "09", "--dry-run", "--", "--pp", 4,
+                            "--dp", 1, "--tp", 8, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "09-3d-parallel/train_llm.py" in result.stdout and "set -- --pp 4 --dp 1 --tp 8" in result.stdout
 
 
 def test_submit_rejects_a_parallel_size_the_chapter_does_not_take(tmp_path):

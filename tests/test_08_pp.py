@@ -87,14 +87,16 @@ def test_sigterm_then_relaunch_on_the_same_and_on_another_split_continues_the_un
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--num-microbatches", 3], "error: --num-microbatches 3 does not divide -b 8; pass a divisor of the batch size"),
+    (["--num-microbatches", 3],
+     "error: --num-microbatches 3 does not divide -b 8; pass a divisor of the batch size"),
     (["--stages-per-rank", 2], "error: --schedule 1f1b runs one stage per rank; use --stages-per-rank 2+ only "
                                "with --schedule interleaved-1f1b"),
     (["--schedule", "interleaved-1f1b", "-m", "{llama}", "--stages-per-rank", 4],
      "error: 4 layers cannot fill 8 stages (2 pipeline ranks x 4 stages per rank), each stage needs a layer; "
      "use fewer pipeline ranks or --stages-per-rank"),
 ], ids=["microbatches", "stages-per-rank", "too-few-layers"])
-def test_a_layout_that_cannot_work_fails_with_one_line_on_every_rank(common_args, models, tmp_path, flags, message):
+def test_a_layout_that_cannot_work_fails_with_one_line_on_every_rank(common_args, models, tmp_path, flags,
+                                                                     message):
     flags = [str(flag).format(**models) for flag in flags]
     run = run_chapter("08", [*common_args, "-b", BATCH, *flags], tmp_path, nproc=2, expect_ok=False, timeout=60)
     assert run.returncode != 0

@@ -23,6 +23,10 @@ CHAPTER_DIFFS = {
                          "initialize_weights", "load_pretrained_weights", "check_tensor_parallel_fits",
                          "tensor_parallelize", "get_parser"}),
     ("06", "07"): (60, {"main", "get_parser", "shard_model", "make_device_mesh", "check_tensor_parallel_fits"}),
+    # A pipeline replaces the model's forward and backward with a schedule, and each rank's checkpoint part and
+    # export cover its stages: chapter 04's DCP format, under the whole model's names.
+    ("02", "08"): (330, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf"}),
+    ("07", "09"): (335, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf"}),
 }
 SCRIPTS = sorted({chapter for pair in CHAPTER_DIFFS for chapter in pair})
 

@@ -1,0 +1,1084 @@
+"""Train a causal language model on many devices with 3D parallelism: pipeline x FSDP2 x tensor parallel.
+
+    torchrun --nproc_per_node=4 train_llm.py --pp 2 --tp 2    # tiny Llama, offline corpus, any laptop
+    torchrun --nnodes=4 --nproc_per_node=8 train_llm.py --pp 4 --tp 8 -m meta-llama/Llama-3.1-8B
+
+Chapter 07's script plus chapter 08's pipeline over a third dimension of the device mesh, (pp, dp, tp): the
+model is cut into --pp stages of consecutive layers; within a stage, each group of --tp ranks splits every layer
+as in chapter 06 and FSDP shards the slices over the dp groups, as in chapter 07. Checkpoints are written by
+every rank for its stages and its slices, and the export puts the stages back together.
+"""
+import argparse
+import copy
+import ctypes
+import gc
+import json
+import math
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import sys
+import time
+import traceback
+import warnings
+import zlib
+from contextlib import nullcontext
+
+import datasets
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+import transformers
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_state_dict, set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, loss_parallel, parallelize_module,
+)
+from tqdm import tqdm
+
+
+# @record writes an uncaught exception's traceback where torchrun's failure report shows it.
+@record
+def main():
+    args = get_parser().parse_args()
+    # Schedulers (Slurm preemption, time limits) send a signal before they kill a job, and Ctrl-C sends SIGINT:
+    # we finish the current step, save a checkpoint and exit, so a relaunch of the same command loses nothing.
+    stop_signals = []
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(stop_signal, lambda signum, frame: request_stop(stop_signals, signum))
+    # NOTE: from here on a signal never kills a rank mid-way. torchrun signals every rank once one has failed:
+    # the others then still reach their own exit, with their own error line.
+    # torchrun starts workers in sessions of their own. If it is killed (kill -9, the OOM killer), the kernel
+    # sends us SIGTERM (PR_SET_PDEATHSIG = 1), and we stop with a checkpoint instead of training on as orphans.
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
+    # torchrun sets these for each process it starts. LOCAL_RANK numbers the processes on this node, and it,
+    # not rank % device_count, picks the GPU: nodes may differ in how many processes they run.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # nccl moves CUDA tensors between GPUs; gloo moves CPU tensors. device_id binds nccl to our GPU at once.
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+    )
+    # Weights and optimizer state stay fp32 (the "master" copy); only the forward/backward math runs in --dtype.
+    # Pure bf16 weights lose small updates: at lr 3e-5 most bf16 weights would never change.
+    compute_dtype = getattr(torch, args.dtype or default_compute_dtype(device))
+    exp_dir = make_experiment_dir(args.save_dir, args.experiment_name)
+    torch.manual_seed(args.seed)
+
+    config, tokenizer = load_config_and_tokenizer(args)
+    dp_size = check_mesh_fits(args, world_size)
+    check_tensor_parallel_fits(config, args.seq_length, args.tp)
+    stages_per_rank = args.stages_per_rank or (2 if args.schedule == "interleaved-1f1b" else 1)
+    num_stages = args.pp * stages_per_rank
+    check_pipeline_fits(args, config, args.pp, stages_per_rank)
+    # Every rank builds (or loads) the whole model from the same seed, exactly as chapter 01 does, then keeps
+    # only its slices: the weights equal chapter 01's. This needs the full fp32 model in memory once, at start.
+    model = build_model(args, config, device)
+    # NOTE: the mesh is a pp x dp x tp grid in rank order: ranks [g*tp, (g+1)*tp) form TP group g, and the
+    # pipeline's stages are the outermost blocks of dp*tp ranks. torchrun numbers the processes of a node
+    # consecutively, so a TP group (a collective in every layer) stays on NVLink, FSDP's all-gathers stay
+    # within a stage, and between stages only one activation a micro-batch crosses (point to point).
+    mesh = init_device_mesh(device.type, (args.pp, dp_size, args.tp), mesh_dim_names=("pp", "dp", "tp"))
+    # TP on the whole model (its plan names every module), then the cut into stages, then FSDP on each stage:
+    # fully_shard shards the DTensors that TP made (dim 0 of each rank's slice) over dp.
+    tensor_parallelize(model, mesh["tp"])
+    param_shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+    flops_per_token = training_flops_per_token(model, config, args.seq_length)
+    num_params = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"model: {num_params / 1e6:.1f}M parameters, compute in {compute_dtype}")
+    # The ranks at pipeline position p run stages p, p + pp, ...: one stage each, or with the interleaved
+    # schedule several stages spread along the pipeline, so a micro-batch passes every position once per round.
+    pp_rank = mesh.get_local_rank("pp")
+    stage_indices = list(range(pp_rank, num_stages, args.pp))
+    stages = [pipeline_stage(model, index, num_stages) for index in stage_indices]
+    has_first_stage, has_last_stage = stage_indices[0] == 0, stage_indices[-1] == num_stages - 1
+    # NOTE: a tied embedding and head (Llama 3.2 1B, Qwen3 0.6B) are one matrix, but the first and the last stage
+    # each hold a copy of it. Summing the two copies' gradients every step keeps them equal (Megatron does this):
+    # between the first and the last pipeline position of each (dp, tp) coordinate, which hold the same slice.
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight and args.pp > 1
+    tie_pairs = [list(pair) for pair in zip(mesh.mesh[0].flatten().tolist(), mesh.mesh[-1].flatten().tolist())]
+    tie_group, _ = dist.new_subgroups_by_enumeration(tie_pairs) if tied else (None, None)
+    del model
+    for stage, index in zip(stages, stage_indices):
+        shard_model(stage, mesh["dp"], compute_dtype)
+        exchange_local_slices(stage, mesh["tp"], is_first=index == 0)
+    # After fully_shard: it replaces each parameter with its sharded one.
+    tied_copy = tied_weight_copy(stages, has_first_stage, has_last_stage) if tie_group is not None else None
+    stage_params = sum(p.numel() for stage in stages for p in stage.parameters())
+    print(f"rank {rank}: stages {stage_indices}, {stage_params / 1e6:.1f}M parameters")
+
+    # Rank 0 tokenizes first and fills the datasets cache, which the others then read instead of all racing to
+    # write it. If rank 0 fails, every rank exits with its message.
+    loaded_on_rank_0 = []
+    run_on_rank_0(lambda: loaded_on_rank_0.append(load_and_pack(args, tokenizer)))
+    if rank != 0:
+        datasets.disable_progress_bars()
+    data = loaded_on_rank_0[0] if rank == 0 else load_and_pack(args, tokenizer)
+    # Each TP group computes -b sequences together; the dp groups split the data, as in chapter 04.
+    dp_rank = mesh.get_local_rank("dp")
+    global_batch_size = args.batch_size * dp_size
+    tokens_per_step = global_batch_size * args.seq_length
+    steps_per_epoch = len(data) // global_batch_size
+    if steps_per_epoch == 0:
+        sys.exit(
+            f"error: the dataset gives {len(data)} sequences of {args.seq_length + 1} tokens, fewer than one "
+            f"batch of {global_batch_size}; use a smaller -b/--batch-size or -s/--seq-length, or more data"
+        )
+    # --max-steps, when given, wins over --num-epochs (as in Hugging Face's Trainer): the data order repeats.
+    total_steps = args.max_steps or steps_per_epoch * args.num_epochs
+    if rank == 0 and args.warmup_steps > total_steps // 2:
+        print(
+            f"warning: --warmup-steps {args.warmup_steps} covers most of the {total_steps} steps, so the learning "
+            f"rate hardly decays; pass --warmup-steps {max(1, total_steps // 20)} or train longer", file=sys.stderr
+        )
+
+    optimizer = torch.optim.AdamW(
+        [p for stage in stages for p in stage.parameters()], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
+        fused=device.type == "cuda",
+    )
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, total_steps)
+    )
+
+    # The data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure function of
+    # (seed, epoch), so resuming needs no replay of skipped batches. loss_window holds the losses summed since
+    # the last log line, so a resumed run logs the same averages as an uninterrupted one.
+    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0]}
+    # Rank 0 alone checks the checkpoints (and sets damaged ones aside); every rank loads the one it chose.
+    checkpoint_dir = run_on_rank_0(lambda: usable_checkpoint(exp_dir))
+    if checkpoint_dir is not None:
+        state = load_checkpoint(checkpoint_dir, stages, optimizer, lr_schedule, param_shapes)
+        print(f"rank {rank}: resumed from {checkpoint_dir} at step {state['step']}")
+    metrics_path = os.path.join(exp_dir, "metrics.jsonl")
+    if rank == 0:
+        truncate_metrics(metrics_path, after_step=state["step"])
+
+    # Compile AFTER parallelizing: the compiled graph then holds the plan's collectives.
+    if args.compile:
+        for stage in stages:
+            stage.compile()
+    # A stage returns a slice (a view) of Hugging Face's output, and FSDP warns that an in-place edit of a view
+    # would skip its hooks; nothing edits it.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    # As in chapter 08; the stages of one pipeline are the ranks of one (dp, tp) coordinate: the pp group.
+    pipeline_stages = [
+        PipelineStage(stage, index, num_stages, device, group=mesh["pp"].get_group())
+        for stage, index in zip(stages, stage_indices)
+    ]
+    tp_mesh = mesh["tp"]
+
+    def loss_fn(logits, labels):
+        # The last stage sends out this rank's slice of the logits (over the vocabulary); loss_parallel computes
+        # the cross-entropy from the slices, as in chapter 06.
+        logits = DTensor.from_local(logits, tp_mesh, [Shard(-1)])
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+    if args.schedule == "interleaved-1f1b":
+        schedule = ScheduleInterleaved1F1B(pipeline_stages, args.num_microbatches, loss_fn=loss_fn)
+    else:
+        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+        schedule = schedule_class(pipeline_stages[0], args.num_microbatches, loss_fn=loss_fn)
+    if args.wandb and rank == 0:
+        import wandb
+
+        # id + resume="allow": a relaunch of the same experiment continues the same wandb run.
+        wandb.init(
+            project="distributed-training-guide", name=args.experiment_name, id=args.experiment_name,
+            resume="allow", dir=exp_dir, config=vars(args),
+        )
+
+    # No autocast, as in chapter 04: FSDP's MixedPrecisionPolicy hands every block its weights in --dtype.
+    autocast = nullcontext()
+    peak_flops = peak_flops_per_second(device)
+    if rank == 0 and peak_flops is not None:
+        print(f"MFU is relative to {peak_flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of this GPU")
+    order = epoch_order(len(data), args.seed, state["epoch"])
+    stop = False
+    # Only the last stage computes losses; the checkpoint's window is theirs.
+    running_loss = torch.tensor(state["loss_window"][0] if has_last_stage else 0.0, device=device)
+    steps_since_log = state["loss_window"][1]
+    show_progress = rank == 0 and sys.stderr.isatty()
+    progress = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not show_progress)
+    last_log_time, last_log_step = time.perf_counter(), state["step"]
+    for stage in stages:
+        stage.train()
+
+    while state["step"] < total_steps:
+        if state["samples_in_epoch"] + global_batch_size > len(data):
+            state["epoch"] += 1
+            state["samples_in_epoch"] = 0
+            order = epoch_order(len(data), args.seed, state["epoch"])
+        batch_indices = order[state["samples_in_epoch"] : state["samples_in_epoch"] + global_batch_size]
+        state["samples_in_epoch"] += global_batch_size
+        # NOTE: slice by the dp rank, not the rank: all ranks of a TP group must see the same rows (else TP
+        # would mix the tokens of different sequences). dp groups at -b b see what one process sees at -b dp*b.
+        local_indices = batch_indices[dp_rank * args.batch_size : (dp_rank + 1) * args.batch_size]
+        batch = to_device(data[local_indices]["input_ids"], device)
+        # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
+        input_ids, labels = batch[:, :-1], batch[:, 1:]
+
+        # One call runs forward and backward of every micro-batch, as in chapter 08. NOTE: the logits stay split
+        # over the vocabulary, one slice per rank: loss_parallel computes the cross-entropy from the slices, and
+        # its backward (inside the schedule) needs the same context.
+        micro_batch_losses = []
+        with autocast, loss_parallel():
+            schedule.step(
+                *([input_ids] if has_first_stage else []), target=labels if has_last_stage else None,
+                losses=micro_batch_losses,
+            )
+        loss = torch.stack(micro_batch_losses).mean() if has_last_stage else torch.zeros((), device=device)
+        if tied_copy is not None:
+            dist.all_reduce(tied_copy.grad.to_local(), group=tie_group)
+        grad_norm = clip_grad_norm_over_stages(
+            stages, args.max_grad_norm, mesh["pp"].get_group(), skip=tied_copy if has_last_stage else None
+        )
+        optimizer.step()
+        # Read before the schedule advances, so the logged lr is the one this step used.
+        step_lr = lr_schedule.get_last_lr()[0]
+        lr_schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        progress.update(1)
+
+        # NOTE: nothing in a step reads a value back from the GPU (.item(), printing a tensor): the CPU queues
+        # the next step while the GPU computes this one. Losses are summed on the device until a log step.
+        # The loss is a replicated DTensor: each rank's local value is its dp group's batch loss.
+        running_loss += loss.detach().to_local() if isinstance(loss, DTensor) else loss
+        steps_since_log += 1
+        if state["step"] % args.log_freq == 0 or state["step"] == total_steps:
+            # NOTE: one all-reduce per log step sums every rank's losses (only the last stage's dp x tp ranks
+            # have any) and stop flags: a signal may reach ranks at different steps, or one rank only, and all must
+            # stop after the same step. So a stop waits for the next log step, and no step waits for the GPU.
+            totals = torch.stack([running_loss, torch.tensor(float(bool(stop_signals)), device=device)])
+            dist.all_reduce(totals)
+            loss_sum, stop_votes = totals.tolist()
+            mean_loss = loss_sum / (dp_size * args.tp) / steps_since_log
+            stop = stop_votes > 0
+            elapsed = time.perf_counter() - last_log_time
+            tokens_per_s = tokens_per_step * (state["step"] - last_log_step) / elapsed
+            metrics = {
+                "step": state["step"],
+                "epoch": state["epoch"],
+                "loss": mean_loss,
+                "grad_norm": grad_norm.item(),
+                "lr": step_lr,
+                "tokens_per_s": tokens_per_s,
+                "peak_memory_gb": peak_memory_gb(device),
+            }
+            if peak_flops is not None:
+                # tokens_per_s counts the tokens of all ranks, so the peak is that of all their GPUs.
+                metrics["mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
+            if rank == 0:
+                log_metrics(metrics_path, metrics, progress)
+            if args.wandb and rank == 0:
+                wandb.log(metrics, step=state["step"])
+            running_loss.zero_()
+            steps_since_log = 0
+            last_log_time, last_log_step = time.perf_counter(), state["step"]
+
+        if stop or state["step"] % args.ckpt_freq == 0 or state["step"] == total_steps:
+            # The window's losses are the last stage's; the checkpoint keeps their mean over its ranks.
+            window_loss = running_loss.clone()
+            dist.all_reduce(window_loss)
+            state["loss_window"] = [window_loss.item() / (dp_size * args.tp), steps_since_log]
+            # Each rank holds different slices, so every rank writes its own part of the checkpoint.
+            save_checkpoint(exp_dir, state, param_shapes, stages, optimizer, lr_schedule)
+        if stop:
+            break
+
+    progress.close()
+    if state["step"] == total_steps:
+        export_hf(os.path.join(exp_dir, "hf"), stages, config, tokenizer, mesh)
+    if args.wandb and rank == 0:
+        wandb.finish()
+    # NOTE: free the model before the process group: freed later, its gloo state is destroyed while a
+    # communication thread waits for the GIL, and the process hangs. --compile keeps a cycle only gc frees.
+    del schedule, pipeline_stages, stages, tied_copy
+    gc.collect()
+    dist.destroy_process_group()
+    if state["step"] < total_steps:
+        sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-m", "--model-name", type=hub_id_or_path, default=None,
+                        help="Hugging Face model id or local folder (default: a tiny Llama built offline)")
+    parser.add_argument("--from-pretrained", action="store_true",
+                        help="load the weights of -m (default: fresh weights from -m's config)")
+    parser.add_argument("-d", "--dataset-name", type=hub_id_or_path, default=None,
+                        help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
+                             "with a 'text' column (default: an offline synthetic corpus)")
+    parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
+    parser.add_argument("-b", "--batch-size", type=positive_int, default=8,
+                        help="sequences per step on this device")
+    parser.add_argument("-s", "--seq-length", type=positive_int, default=128, help="tokens per sequence")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=20)
+    parser.add_argument("--max-steps", type=positive_int, default=None,
+                        help="train this many steps, over as many epochs as that takes (default: --num-epochs)")
+    parser.add_argument("--num-epochs", type=positive_int, default=1)
+    parser.add_argument("--max-grad-norm", type=positive_float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="compute dtype (default: bfloat16 on GPUs that have it, else float32); "
+                             "weights stay float32")
+    parser.add_argument("--attn-implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("-e", "--experiment-name", default="default",
+                        help="name of the run; relaunching the same name resumes it")
+    parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")
+    parser.add_argument("--ckpt-freq", type=positive_int, default=100,
+                        help="save a checkpoint every this many steps")
+    parser.add_argument("--log-freq", type=positive_int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
+    parser.add_argument("--tp", type=positive_int, default=1,
+                        help="ranks that split each layer (tensor parallel), inside one node")
+    parser.add_argument("--pp", type=positive_int, default=1, help="pipeline positions the layers are cut over")
+    parser.add_argument("--dp", type=positive_int, default=None,
+                        help="data-parallel groups, FSDP-sharded (default: ranks / (pp * tp))")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",
+                        help="the order of micro-batch forwards and backwards on each stage")
+    parser.add_argument("--num-microbatches", type=positive_int, default=4,
+                        help="micro-batches each batch is split into (must divide -b)")
+    parser.add_argument("--stages-per-rank", type=positive_int, default=None,
+                        help="stages each rank runs (default: 2 with interleaved-1f1b, else 1)")
+    return parser
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def hub_id_or_path(name):
+    """A name that can only be a local path (it starts with / . or ~, names a data file, or has more folders
+    than a Hub id's owner/name) must exist: a mistyped path must not go to the Hub and fail there after retries."""
+    extension = os.path.splitext(name)[1]
+    local = name.startswith(("/", ".", "~")) or extension in DATA_FILE_BUILDERS or name.count("/") > 1
+    if local and not os.path.exists(os.path.expanduser(name)):
+        raise argparse.ArgumentTypeError(f"no such file or folder: {name!r}")
+    return os.path.expanduser(name) if local else name
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def default_compute_dtype(device):
+    # Not emulated: a GPU older than Ampere has no bf16 tensor cores, and emulated bf16 is slower than fp32.
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    return "float32"
+
+
+def make_experiment_dir(save_dir, experiment_name):
+    exp_dir = os.path.join(save_dir, experiment_name)
+    try:
+        os.makedirs(exp_dir, exist_ok=True)
+        probe = os.path.join(exp_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
+    return exp_dir
+
+
+def run_on_rank_0(fn):
+    """fn() on rank 0 alone; every rank returns its result. If fn exits with an error line there (sys.exit),
+    every rank exits with that same line, instead of waiting for rank 0 in the next collective."""
+    outcome = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [fn(), None]
+        except SystemExit as error:
+            outcome = [None, str(error.code)]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        sys.exit(outcome[1])
+    return outcome[0]
+
+
+def request_stop(stop_signals, signum):
+    # NOTE: a handler may run again while it runs (two signals in a row): taking a lock here, as
+    # threading.Event.set does, can deadlock. Appending to a list takes none.
+    stop_signals.append(signum)
+    # A second Ctrl-C ends the process at once, without waiting for the step and the checkpoint.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def load_config_and_tokenizer(args):
+    if args.model_name is None:
+        if args.from_pretrained:
+            sys.exit("error: --from-pretrained needs -m/--model-name (the default tiny model has no weights)")
+        config, tokenizer = tiny_llama_config(), transformers.ByT5Tokenizer(extra_ids=0)
+    else:
+        try:
+            config = transformers.AutoConfig.from_pretrained(args.model_name)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name)
+        except Exception as error:
+            sys.exit(
+                f"error: cannot load model {args.model_name!r} ({first_line(error)}); pass a Hugging Face model "
+                "id or a local folder with config.json and a tokenizer"
+            )
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None and args.seq_length > max_positions:
+        sys.exit(
+            f"error: -s/--seq-length {args.seq_length} is longer than {args.model_name or 'the tiny model'}'s "
+            f"{max_positions} positions; pass -s {max_positions} or less"
+        )
+    return config, tokenizer
+
+
+DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def tiny_llama_config():
+    # vocab 272 = ByT5's 259 byte tokens rounded up so it divides by 2, 4, 8, 16 (tensor parallel shards).
+    return transformers.LlamaConfig(
+        vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=None, eos_token_id=1, pad_token_id=0,
+    )
+
+
+def check_mesh_fits(args, world_size):
+    """The number of dp groups; exits with one line if pp x dp x tp is not the number of ranks."""
+    if world_size % (args.pp * args.tp):
+        sys.exit(f"error: --pp {args.pp} x --tp {args.tp} = {args.pp * args.tp} does not divide the {world_size} "
+                 "ranks; pass sizes whose product divides them (a TP group must stay inside one node)")
+    dp_size = world_size // (args.pp * args.tp)
+    if args.dp is not None and args.dp != dp_size:
+        sys.exit(f"error: --pp {args.pp} x --dp {args.dp} x --tp {args.tp} = {args.pp * args.dp * args.tp} ranks, "
+                 f"but {world_size} were launched; launch that many processes, or pass --dp {dp_size}")
+    return dp_size
+
+
+def check_pipeline_fits(args, config, pp_size, stages_per_rank):
+    """Exit with one line if the layers, the batch or the schedule cannot be split as asked."""
+    num_stages = pp_size * stages_per_rank
+    problem = None
+    if (stages_per_rank > 1) != (args.schedule == "interleaved-1f1b"):
+        problem = (f"--schedule {args.schedule} runs {'one stage' if stages_per_rank > 1 else 'several stages'} "
+                   "per rank; use --stages-per-rank 2+ only with --schedule interleaved-1f1b")
+    elif args.schedule == "interleaved-1f1b" and pp_size < 2:
+        problem = "--schedule interleaved-1f1b needs 2+ pipeline ranks; use 1f1b on one"
+    elif config.num_hidden_layers < num_stages:
+        problem = (f"{config.num_hidden_layers} layers cannot fill {num_stages} stages ({pp_size} pipeline ranks "
+                   f"x {stages_per_rank} stages per rank), each stage needs a layer; use fewer pipeline ranks or "
+                   "--stages-per-rank")
+    elif args.batch_size % args.num_microbatches:
+        problem = (f"--num-microbatches {args.num_microbatches} does not divide -b {args.batch_size}; "
+                   "pass a divisor of the batch size")
+    elif args.num_microbatches < pp_size:
+        problem = (f"--num-microbatches {args.num_microbatches} is fewer than the {pp_size} pipeline ranks, so "
+                   f"some would never run; pass at least {pp_size} (and a -b it divides)")
+    elif args.schedule == "interleaved-1f1b" and args.num_microbatches % pp_size:
+        problem = (f"--schedule interleaved-1f1b sends micro-batches round the ranks in groups of {pp_size}; "
+                   f"pass a --num-microbatches that is a multiple of {pp_size}")
+    if problem:
+        sys.exit(f"error: {problem}")
+
+
+def check_tensor_parallel_fits(config, seq_length, tp_size):
+    """Every size the plan splits must divide by the number of ranks. Fail at once, before any weights load,
+    naming every size that does not and every number of ranks that would work."""
+    split_sizes = {
+        "attention heads": config.num_attention_heads,
+        "key/value heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        "MLP channels (intermediate_size)": config.intermediate_size,
+        "vocabulary entries": config.vocab_size,
+        "tokens per sequence (-s, split by sequence parallelism)": seq_length,
+    }
+    not_dividing = [f"{size} {what}" for what, size in split_sizes.items() if size % tp_size]
+    if not_dividing:
+        common = math.gcd(*split_sizes.values())
+        working = [str(n) for n in range(1, common + 1) if common % n == 0]
+        sys.exit(
+            f"error: tensor parallelism over {tp_size} ranks splits sizes that do not divide by {tp_size}: "
+            f"{', '.join(not_dividing)}; pass --tp {', '.join(working)} (these divide them all)"
+        )
+
+
+def build_model(args, config, device):
+    try:
+        # Building under `with device` allocates the weights directly on the GPU, not in host RAM first.
+        with device:
+            if args.from_pretrained:
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    args.model_name, dtype=torch.float32, attn_implementation=args.attn_implementation
+                )
+            else:
+                model = transformers.AutoModelForCausalLM.from_config(
+                    config, dtype=torch.float32, attn_implementation=args.attn_implementation
+                )
+    except (ImportError, ValueError, OSError) as error:
+        sys.exit(f"error: cannot build model {args.model_name or 'tiny-llama'!r}: {first_line(error)}")
+    return model
+
+
+def tensor_parallelize(model, tp_mesh):
+    """Split a Llama-family model over the ranks of tp_mesh, in place.
+
+    Inside each block, the first matmuls are split by output columns (each rank computes some heads, some MLP
+    channels) and the last by input rows (each rank adds its part; the sum needs one collective). Between
+    blocks, the sequence is split (sequence parallelism): norms and residual adds run on 1/N of the tokens.
+    Layouts: Replicate() = every rank holds the whole tensor, Shard(d) = each rank holds a slice along dim d.
+    """
+    # Each block does one all-gather (sequence slices -> whole sequence) before its column-wise matmuls and one
+    # reduce-scatter (partial sums -> summed sequence slices) after its row-wise matmul, twice a layer.
+    plan = {
+        # Vocabulary-parallel embedding: rank r holds rows [r*V/N, (r+1)*V/N); each token's vector comes from
+        # the rank that holds its row (the others add zeros) in the reduce-scatter. The output stays a DTensor
+        # so that the model sees the full sequence length (positions and causal mask).
+        "model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
+        "model.layers.*.input_layernorm": SequenceParallel(),
+        "model.layers.*.self_attn": PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        ),
+        "model.layers.*.self_attn.q_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.k_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.v_proj": ColwiseParallel(),
+        "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "model.layers.*.post_attention_layernorm": SequenceParallel(),
+        "model.layers.*.mlp": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        ),
+        "model.layers.*.mlp.gate_proj": ColwiseParallel(),
+        "model.layers.*.mlp.up_proj": ColwiseParallel(),
+        "model.layers.*.mlp.down_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "model.norm": SequenceParallel(),
+        # The output head keeps the logits split over the vocabulary for loss_parallel.
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    # Qwen3 (and others) normalise each head's queries and keys. A rank holds some heads (dim 2 of the
+    # [batch, sequence, heads, head_dim] input): the norm runs on them with the whole weight on every rank.
+    for per_head_norm in ["q_norm", "k_norm"]:
+        if hasattr(model.get_submodule("model.layers.0.self_attn"), per_head_norm):
+            plan[f"model.layers.*.self_attn.{per_head_norm}"] = SequenceParallel(
+                sequence_dim=2, use_local_output=True
+            )
+    for name in plan:
+        try:
+            model.get_submodule(name.replace("*", "0"))
+        except AttributeError:
+            sys.exit(
+                f"error: the tensor-parallel plan is written for Llama-family models (Llama, Mistral, Qwen), "
+                f"but {type(model).__name__} has no module {name!r}; use such a model or write its plan"
+            )
+    # NOTE: models like Llama 3.2 1B share one matrix between embedding and output head. Parallelizing replaces
+    # each module's parameter with a new one, so tie them again, or they would train apart.
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    parallelize_module(model, tp_mesh, plan)
+    if tied:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    # A parameter the plan does not place stays a plain tensor on each rank: it would train apart on each and
+    # fail in clip_grad_norm_ at step 1. Name it now instead.
+    unplaced = [name for name, param in model.named_parameters() if not isinstance(param, DTensor)]
+    if unplaced:
+        sys.exit(
+            f"error: the tensor-parallel plan places no layout on {unplaced[0]} ({len(unplaced)} parameters in "
+            f"all) of {type(model).__name__}; add its module to the plan in tensor_parallelize"
+        )
+
+
+def pipeline_stage(model, stage_index, num_stages):
+    """Stage `stage_index` of `num_stages`: the model with only its share of the layers (consecutive, as even as
+    the division allows), the embedding on the first stage only, the final norm and the head on the last only.
+    The other layers are replaced by one that passes its input through, so parameter names stay those of the
+    whole model: checkpoints and the export need no renaming."""
+    decoder, layers = model.get_decoder(), model.get_decoder().layers
+    first_layer = stage_index * len(layers) // num_stages
+    last_layer = (stage_index + 1) * len(layers) // num_stages
+    is_first, is_last = stage_index == 0, stage_index == num_stages - 1
+    # deepcopy with a memo copies only the skeleton: each module in the memo is taken as it is (the stage shares
+    # its weights with `model`, nothing is copied) or replaced.
+    memo = {id(layer): layer if first_layer <= i < last_layer else PassThroughLayer(layer)
+            for i, layer in enumerate(layers)}
+    memo[id(decoder.embed_tokens)] = decoder.embed_tokens if is_first else None
+    memo[id(decoder.norm)] = decoder.norm if is_last else torch.nn.Identity()
+    memo[id(model.lm_head)] = model.lm_head if is_last else torch.nn.Identity()
+    stage = copy.deepcopy(model, memo)
+    # A pipeline passes one tensor between stages: the first stage reads token ids, the others the hidden
+    # states before them; each returns a tensor (the last stage's "logits" are, before it, hidden states).
+    input_name = "input_ids" if is_first else "inputs_embeds"
+    stage.register_forward_pre_hook(
+        lambda module, args, kwargs: ((), {input_name: args[0], "use_cache": False}), with_kwargs=True
+    )
+    stage.register_forward_hook(lambda module, args, output: output.logits)
+    return stage
+
+
+class PassThroughLayer(torch.nn.Module):
+    """Stands in for a layer that another stage runs: returns the hidden states unchanged."""
+
+    def __init__(self, layer):
+        super().__init__()
+        # Some models (Qwen3, Gemma 3) read each layer's attention type to pick its mask.
+        self.attention_type = getattr(layer, "attention_type", None)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+def tied_weight_copy(stages, has_first_stage, has_last_stage):
+    """This rank's copy of a tied embedding/head matrix (the first stage's embedding, the last stage's head)."""
+    if has_first_stage:
+        return stages[0].get_input_embeddings().weight
+    return stages[-1].get_output_embeddings().weight if has_last_stage else None
+
+
+def clip_grad_norm_over_stages(stages, max_norm, pp_group, skip=None):
+    """clip_grad_norm_ of the whole model: the norm of a stage's DTensors adds up the pieces of its dp and tp
+    ranks, and the squares of the stages' norms are summed over the pipeline. `skip` is a gradient counted on
+    another rank already (the head's copy of a tied embedding)."""
+    params = [p for stage in stages for p in stage.parameters()]
+    local_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None and p is not skip])
+    squared_norm = local_norm.full_tensor() ** 2
+    dist.all_reduce(squared_norm, group=pp_group)
+    total_norm = squared_norm.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    return total_norm
+
+
+def exchange_local_slices(stage, tp_mesh, is_first):
+    """Between stages a pipeline sends plain tensors: each rank sends its slice of the activations (a part of the
+    sequence, as sequence parallelism keeps it) to the same TP rank of the next stage, which makes it a DTensor
+    again; the last stage sends out its slice of the logits (over the vocabulary) for loss_fn."""
+    if not is_first:
+        stage.register_forward_pre_hook(
+            lambda module, args, kwargs: (
+                args, {**kwargs, "inputs_embeds": DTensor.from_local(kwargs["inputs_embeds"], tp_mesh, [Shard(1)])}
+            ),
+            with_kwargs=True,
+        )
+    stage.register_forward_hook(lambda module, args, output: output.to_local())
+
+
+def shard_model(model, dp_mesh, compute_dtype):
+    """fully_shard each transformer block, then the root (embedding, final norm and head), over the dp ranks.
+    A block's slices are all-gathered across dp just before it runs and freed after, and its gradients are
+    reduce-scattered (averaged over dp) as soon as they are complete, as in chapter 04."""
+    # The fp32 shards are the master weights: param_dtype casts them to --dtype for compute; reduce_dtype=fp32
+    # sums gradients in fp32, so small ones are not lost.
+    mp_policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for block in model.get_submodule("model.layers"):
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+
+
+def load_and_pack(args, tokenizer):
+    """Tokenize every document, join them with EOS between documents, and cut the token stream into rows
+    of seq_length + 1 tokens. datasets caches the result next to the downloaded data."""
+    if args.dataset_name is None:
+        raw = datasets.Dataset.from_dict({"text": tiny_corpus()})
+    else:
+        raw = load_raw_dataset(args.dataset_name, args.dataset_subset)
+    if "text" not in raw.column_names:
+        sys.exit(f"error: dataset {args.dataset_name!r} has no 'text' column (it has {raw.column_names})")
+    row_length = args.seq_length + 1
+    eos = tokenizer.eos_token_id
+
+    def tokenize_and_pack(batch):
+        stream = []
+        texts = [text for text in batch["text"] if text]
+        for ids in tokenizer(texts)["input_ids"] if texts else []:
+            stream.extend(ids)
+            if eos is not None and (not ids or ids[-1] != eos):
+                stream.append(eos)
+        num_rows = len(stream) // row_length
+        return {"input_ids": [stream[i * row_length : (i + 1) * row_length] for i in range(num_rows)]}
+
+    packed = raw.map(tokenize_and_pack, batched=True, batch_size=1000, remove_columns=raw.column_names,
+                     desc=f"tokenize and pack into rows of {row_length}")
+    if len(packed) == 0 and not any(raw["text"]):
+        sys.exit(f"error: dataset {args.dataset_name!r} has no text: its 'text' column is empty in all rows")
+    return packed.with_format("numpy")
+
+
+def load_raw_dataset(name, subset):
+    if os.path.isfile(name):
+        check_data_file(name)
+    try:
+        if os.path.isfile(name):
+            builder = DATA_FILE_BUILDERS[os.path.splitext(name)[1]]
+            return datasets.load_dataset(builder, data_files=name, split="train")
+        return datasets.load_dataset(name, subset, split="train")
+    except Exception as error:
+        sys.exit(
+            f"error: cannot load dataset {name!r} ({first_line(error)}); pass a Hugging Face dataset id "
+            "(and --dataset-subset if it has several), or a local file or folder"
+        )
+
+
+def check_data_file(path):
+    """Name what is wrong with a local data file before datasets gives a generic error about it."""
+    extension = os.path.splitext(path)[1]
+    if extension not in DATA_FILE_BUILDERS:
+        sys.exit(f"error: cannot read {path!r}: use a {', '.join(DATA_FILE_BUILDERS)} file or a folder of them")
+    if os.path.getsize(path) == 0:
+        sys.exit(f"error: {path!r} is empty")
+    if extension != ".parquet":
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        try:
+            # The last 3 bytes may be a multi-byte character cut in two by the read.
+            (head if len(head) < 1 << 16 else head[:-3]).decode("utf-8")
+        except UnicodeDecodeError:
+            sys.exit(f"error: {path!r} is not a text file (not UTF-8); pass a {extension} file of text")
+        if b"\0" in head:
+            sys.exit(f"error: {path!r} is not a text file (it holds NUL bytes); pass a {extension} file of text")
+
+
+def tiny_corpus(num_documents=4000, seed=1234):
+    """Short stories with structure a tiny model can learn in a minute: templates, names and sums."""
+    rng = random.Random(seed)
+    names = ["Ada", "Ben", "Cleo", "Dev", "Eva", "Finn", "Gia", "Hugo", "Ines", "Jon", "Kai", "Lena"]
+    things = ["apples", "books", "coins", "shells", "stamps", "marbles", "pencils", "cards"]
+    documents = []
+    for _ in range(num_documents):
+        giver, taker = rng.sample(names, 2)
+        thing = rng.choice(things)
+        had, given = rng.randint(1, 20), rng.randint(1, 20)
+        documents.append(
+            f"{taker} has {had} {thing}. {giver} gives {taker} {given} more {thing}. "
+            f"Now {taker} has {had + given} {thing}."
+        )
+    return documents
+
+
+def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
+    """Multiplier of the peak learning rate: linear warmup, then one cosine down to final_fraction at the end."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def epoch_order(num_rows, seed, epoch):
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def to_device(rows, device):
+    batch = torch.from_numpy(rows)
+    # Only a copy from pinned (page-locked) memory runs asynchronously: the GPU fetches the batch while the CPU
+    # goes on queueing work. A copy from ordinary memory blocks the CPU despite non_blocking=True.
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
+
+
+def training_flops_per_token(model, config, seq_length):
+    """6 FLOPs per matmul weight per token (2 forward, 4 backward), plus the attention scores
+    (12 * layers * hidden * seq_length, PaLM appendix B). Every weight is a matmul weight except the input
+    embedding (a lookup); a tied output head is that same tensor used again, as a matmul."""
+    embedding = model.get_input_embeddings().weight
+    num_matmul_params = sum(p.numel() for p in model.parameters() if p is not embedding)
+    if model.get_output_embeddings().weight is embedding:
+        num_matmul_params += embedding.numel()
+    return 6 * num_matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_length
+
+
+# Dense bf16 tensor-core peaks from the datasheets (without sparsity). The first name found in the GPU's name
+# wins, so the longer names come first ("GH200" also contains "H200").
+PEAK_BF16_FLOPS = [
+    ("GH200", 989e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12),
+    ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12),
+]
+
+
+def peak_flops_per_second(device):
+    """The GPU's dense bf16 peak, or None (CPU, or a GPU not in the table: no MFU rather than a guess)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def peak_memory_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # On CPU the process's peak resident memory is the honest number (ru_maxrss: KiB on Linux, bytes on macOS).
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+
+
+def log_metrics(path, metrics, progress):
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
+    progress.write(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+
+
+def truncate_metrics(path, after_step):
+    """After a resume, drop the lines that the interrupted run logged past its last checkpoint."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def usable_checkpoint(exp_dir):
+    """The newest complete checkpoint whose files are all as they were written, or None if there is none yet.
+
+    A save writes into step-N.partial and renames it to step-N when done, so a run killed mid-save leaves a
+    .partial folder, which is ignored. A complete one can still be damaged later (a full disk, a node crash
+    before the data reached the disk): it is renamed to step-N.damaged, never deleted, and the one before is used.
+    """
+    checkpoints_dir = os.path.join(exp_dir, "checkpoints")
+    if not os.path.isdir(checkpoints_dir):
+        return None
+    complete = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
+    for name in reversed(complete):
+        checkpoint_dir = os.path.join(checkpoints_dir, name)
+        damage = checkpoint_damage(checkpoint_dir)
+        if damage is None:
+            return checkpoint_dir
+        os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
+        print(f"warning: checkpoint {checkpoint_dir} is damaged ({damage}); set it aside as {name}.damaged",
+              file=sys.stderr)
+    if complete:
+        sys.exit(
+            f"error: every checkpoint in {checkpoints_dir} is damaged (now *.damaged); move them away to start "
+            "fresh, or pass a new -e/--experiment-name"
+        )
+    return None
+
+
+def file_digest(path):
+    """(size, CRC-32) of a file, read in 16 MiB pieces: about a second per GB from the page cache."""
+    crc = 0
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 24):
+            crc = zlib.crc32(piece, crc)
+    return [os.path.getsize(path), crc]
+
+
+def write_manifest(checkpoint_dir):
+    """Record the size and checksum of every file of a checkpoint, so that loading can tell a damaged one."""
+    files = sorted(
+        os.path.relpath(os.path.join(folder, name), checkpoint_dir)
+        for folder, _, names in os.walk(checkpoint_dir) for name in names
+    )
+    with open(os.path.join(checkpoint_dir, "manifest.json"), "w") as f:
+        json.dump({name: file_digest(os.path.join(checkpoint_dir, name)) for name in files}, f)
+
+
+def checkpoint_damage(checkpoint_dir):
+    """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest."""
+    try:
+        with open(os.path.join(checkpoint_dir, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return "manifest.json is missing or unreadable"
+    for name, recorded in manifest.items():
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if file_digest(path) != recorded:
+            return f"{name} differs from what was written ({os.path.getsize(path)} of {recorded[0]} bytes)"
+    return None
+
+
+def save_checkpoint(exp_dir, state, param_shapes, stages, optimizer, lr_schedule):
+    checkpoints_dir = os.path.join(exp_dir, "checkpoints")
+    final_dir = os.path.join(checkpoints_dir, f"step-{state['step']:08d}")
+    partial_dir = final_dir + ".partial"
+    if os.path.exists(final_dir):
+        return
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        os.makedirs(partial_dir)
+    dist.barrier()
+    # get_state_dict names each shard by its parameter's full name and offsets, and stages_state_dict keeps the
+    # whole model's names, so a checkpoint written by one layout loads into any other. dcp.save writes one file
+    # per rank, then rank 0 writes the index (.metadata) once every rank's file is complete. Checkpoints need a
+    # folder all nodes share.
+    model_state, optimizer_state, _ = stages_state_dict(stages, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial_dir)
+    if rank == 0:
+        torch.save(
+            {
+                "lr_schedule": lr_schedule.state_dict(),
+                # The data order has its own generator; these cover anything random in the model (dropout).
+                "rng": rng_state(),
+            },
+            os.path.join(partial_dir, "checkpoint.pt"),
+        )
+        with open(os.path.join(partial_dir, "state.json"), "w") as f:
+            json.dump({**state, "param_shapes": param_shapes}, f)
+        write_manifest(partial_dir)
+        # The rename is atomic: a crash before it leaves the previous checkpoint as the newest complete one.
+        os.rename(partial_dir, final_dir)
+        remove_old_checkpoints(checkpoints_dir)
+    # No rank goes on (or looks for this checkpoint again) before it is complete.
+    dist.barrier()
+
+
+def remove_old_checkpoints(checkpoints_dir, keep=2):
+    """Keep the newest `keep` complete checkpoints (the one before the newest is the fallback if the newest
+    turns out damaged) and any *.damaged folder for inspection; remove the rest and stale .partial folders."""
+    complete = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
+    stale = [name for name in os.listdir(checkpoints_dir) if name.endswith(".partial")]
+    for name in complete[:-keep] + stale:
+        shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
+
+
+def load_checkpoint(checkpoint_dir, stages, optimizer, lr_schedule, param_shapes):
+    with open(os.path.join(checkpoint_dir, "state.json")) as f:
+        state = json.load(f)
+    saved_shapes = state.pop("param_shapes")
+    if saved_shapes != param_shapes:
+        sys.exit(
+            f"error: checkpoint {checkpoint_dir} holds a different model "
+            f"({describe_mismatch(saved_shapes, param_shapes)}); "
+            "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
+        )
+    checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
+    # dcp.load fills these tensors in place, each rank reading only its own shards. The optimizer goes through
+    # get_state_dict/set_state_dict: a fresh optimizer has no state tensors to fill, and loading into
+    # optimizer.state_dict() would silently restore nothing.
+    model_state, optimizer_state, stage_names = stages_state_dict(stages, optimizer)
+    sharded_state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(sharded_state, checkpoint_id=checkpoint_dir)
+    set_state_dict(
+        torch.nn.ModuleList(stages), optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True),
+        model_state_dict={stage_names[name]: value for name, value in sharded_state["model"].items()},
+        optim_state_dict={stage_names[name]: value for name, value in sharded_state["optimizer"].items()},
+    )
+    lr_schedule.load_state_dict(checkpoint["lr_schedule"])
+    set_rng_state(checkpoint["rng"])
+    return state
+
+
+def stages_state_dict(stages, optimizer):
+    """This rank's weights and AdamW state named as in the whole model, so a checkpoint written by one split into
+    stages loads into any other; and the map back to the names get_state_dict gives them ("0.model...")."""
+    model_state, optimizer_state = get_state_dict(
+        torch.nn.ModuleList(stages), optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+    # The ModuleList puts each stage's position on this rank in front of the names: "0.", or "state.0.".
+    stage_names = {re.sub(r"^(state\.|param_groups\.)?\d+\.", r"\1", name): name
+                   for name in [*model_state, *optimizer_state]}
+    full_names = {name: full_name for full_name, name in stage_names.items()}
+    model_state = {full_names[name]: value for name, value in model_state.items()}
+    optimizer_state = {full_names[name]: value for name, value in optimizer_state.items()}
+    return model_state, optimizer_state, stage_names
+
+
+def rng_state():
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda_state}
+
+
+def set_rng_state(saved):
+    torch.set_rng_state(saved["cpu"])
+    if torch.cuda.is_available() and saved["cuda"] is not None:
+        torch.cuda.set_rng_state(saved["cuda"])
+
+
+def describe_mismatch(saved_shapes, param_shapes):
+    for name in sorted(set(saved_shapes) | set(param_shapes)):
+        if saved_shapes.get(name) != param_shapes.get(name):
+            return f"{name}: {saved_shapes.get(name)} in the checkpoint, {param_shapes.get(name)} in this model"
+    return "same parameters"
+
+
+def export_hf(hf_dir, stages, config, tokenizer, mesh):
+    """Write the trained model in Hugging Face format: AutoModelForCausalLM.from_pretrained(hf_dir) loads it."""
+    # The ranks of each stage put its weights together from their slices (into CPU memory, one tensor at a time).
+    # The stages' first ranks send them to rank 0, which holds the whole model (4 bytes per parameter) until it
+    # is written. The other ranks keep nothing.
+    local_weights = {name: w.full_tensor().cpu() for stage in stages for name, w in stage.state_dict().items()}
+    if mesh.get_local_rank("dp") != 0 or mesh.get_local_rank("tp") != 0:
+        return
+    all_weights = [None] * mesh["pp"].size() if dist.get_rank() == 0 else None
+    dist.gather_object(local_weights, all_weights, dst=0, group=mesh["pp"].get_group())
+    if dist.get_rank() == 0:
+        full_state = {name: weight for weights in all_weights for name, weight in weights.items()}
+        # A skeleton of the whole model (on the meta device: no memory) names the weights and knows the tie. A
+        # tied matrix arrives twice (the first and the last stage's copies, equal); one copy under both names
+        # lets HF see the tie and save it once, as chapter 01 does.
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        first_copy = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            full_state[name] = first_copy.setdefault(param, full_state[name])
+        model.save_pretrained(hf_dir, state_dict=full_state)
+        tokenizer.save_pretrained(hf_dir)
+        print(f"saved the trained model to {hf_dir}")
+
+
+def first_line(error):
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+def report_exit(stop):
+    """The exit code of sys.exit(code or "message"). A message is printed, as the interpreter does, and
+    written where torchrun's failure summary shows it (instead of "To enable traceback see ...")."""
+    if not isinstance(stop.code, str):
+        return stop.code or 0
+    # One write with its newline: the lines of several ranks on one terminal then cannot interleave.
+    sys.stderr.write(stop.code + "\n")
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # The format of @record's error file, with the message where the traceback would be.
+        extra_info = {"py_callstack": stop.code, "timestamp": str(int(time.time()))}
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": stop.code, "extraInfo": extra_info}}, f)
+    return 1
+
+
+if __name__ == "__main__":
+    # NOTE: every exit skips the interpreter's teardown (os._exit): gloo's worker threads can outlive the
+    # process group, and torn down with the interpreter they can hang or abort a finished process
+    # (pytorch/pytorch#56297, #190489). By now everything is written and closed.
+    try:
+        main()
+        exit_code = 0
+    except SystemExit as stop:
+        exit_code = report_exit(stop)
+    except Exception:
+        traceback.print_exc()
+        exit_code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

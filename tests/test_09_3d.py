@@ -1,0 +1,98 @@
+"""Chapter 09: pipeline x FSDP2 x tensor parallelism on a (pp, dp, tp) mesh trains the same model to the same
+numbers as chapter 01 on one process at the global batch (dp * -b): at (pp, dp, tp) = (2, 1, 2) for a Llama and
+(2, 2, 1) for a Qwen3 whose embedding is tied to its head, and under the interleaved schedule; a run stopped by
+SIGTERM resumes to the uninterrupted losses, also on another layout; sizes whose product is not the number of
+ranks fail with one line.
+
+Tolerances (fp32 on CPU): losses 1e-5, gradient norms 1e-4 relative, weights 1e-4 (measured: 1e-6, 3e-6).
+"""
+import shutil
+
+import pytest
+
+from conftest import INJECT, inject_env, load_weights, max_weight_diff, run_chapter
+
+GLOBAL_BATCH = 8
+STEPS = 10
+STOP_AFTER = 4
+# (model, pp, dp, tp, schedule)
+LAYOUTS = [("llama", 2, 1, 2, "1f1b"), ("qwen3-tied", 2, 2, 1, "1f1b"), ("llama", 2, 1, 2, "interleaved-1f1b")]
+
+
+def on(pp, dp, tp, schedule="1f1b"):
+    """Flags and process count for a layout: -b keeps the global batch at GLOBAL_BATCH."""
+    return ["-b", GLOBAL_BATCH // dp, "--pp", pp, "--dp", dp, "--tp", tp, "--schedule", schedule], pp * dp * tp
+
+
+@pytest.fixture
+def launch(launch_once, common_args, four_layer_models):
+    """A STEPS-step run, shared across tests (chapter 01's with tests/test_08_pp.py): chapter 01 (layout None)
+    at -b GLOBAL_BATCH, or chapter 09 on a layout."""
+
+    def launch_layout(model, layout=None):
+        args = [*common_args, "-m", four_layer_models[model], "--max-steps", STEPS]
+        if layout is None:
+            return launch_once("01", [*args, "-b", GLOBAL_BATCH])
+        flags, nproc = on(*layout)
+        return launch_once("09", [*args, *flags], nproc=nproc)
+
+    return launch_layout
+
+
+def assert_same_training(ours, reference, first_step=1):
+    assert [m["step"] for m in ours.metrics] == [m["step"] for m in reference.metrics] == list(range(1, STEPS + 1))
+    for mine, theirs in list(zip(ours.metrics, reference.metrics))[first_step - 1 :]:
+        assert abs(mine["loss"] - theirs["loss"]) < 1e-5, (mine, theirs)
+        assert abs(mine["grad_norm"] - theirs["grad_norm"]) < 1e-4 * theirs["grad_norm"], (mine, theirs)
+    assert max_weight_diff(ours.exp_dir / "hf", reference.exp_dir / "hf") < 1e-4
+
+
+@pytest.mark.parametrize("model,pp,dp,tp,schedule", LAYOUTS,
+                         ids=[f"{m}-pp{pp}-dp{dp}-tp{tp}-{s}" for m, pp, dp, tp, s in LAYOUTS])
+def test_3d_matches_single_process_at_the_global_batch(launch, model, pp, dp, tp, schedule):
+    single_process = launch(model)
+    assert single_process.losses[-1] < single_process.losses[0] - 0.5
+    assert min(m["grad_norm"] for m in single_process.metrics) > 1.5
+    ours = launch(model, (pp, dp, tp, schedule))
+    assert_same_training(ours, single_process)
+    if model == "qwen3-tied":
+        # HF writes a tied matrix once: a separate lm_head.weight would mean the two stages' copies were untied.
+        assert "lm_head.weight" not in load_weights(ours.exp_dir / "hf")
+
+
+def test_sigterm_then_relaunch_on_the_same_and_on_another_layout_continues_the_uninterrupted_run(
+    launch, common_args, four_layer_models, tmp_path
+):
+    layout = ("qwen3-tied", 2, 2, 1, "1f1b")
+    uninterrupted = launch(layout[0], layout[1:])
+    args = [*common_args, "-m", four_layer_models["qwen3-tied"], "--max-steps", STEPS]
+    flags, nproc = on(*layout[1:])
+    stopped = run_chapter("09", [*args, *flags], tmp_path, nproc=nproc, script=INJECT,
+                          env=inject_env("09", "sigterm", after_step=STOP_AFTER), expect_ok=False)
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
+    assert f"stopped by a signal after step {STOP_AFTER}; relaunch the same command to resume" in stopped.stderr
+    assert [p.name for p in (stopped.exp_dir / "checkpoints").iterdir()] == [f"step-{STOP_AFTER:08d}"]
+    shutil.copytree(stopped.exp_dir, tmp_path / "outputs" / "other-layout")
+
+    # (pp 2, dp 1, tp 2) at -b 8: the same global batch, each stage's weights split by TP instead of FSDP. DCP
+    # stores each piece under the whole model's name and offsets, so the checkpoint reshards on load.
+    resumed = run_chapter("09", [*args, *flags], tmp_path, nproc=nproc)
+    flags, nproc = on(2, 1, 2)
+    resumed_elsewhere = run_chapter("09", [*args, *flags], tmp_path, nproc=nproc, experiment="other-layout")
+    for run in (resumed, resumed_elsewhere):
+        assert f"at step {STOP_AFTER}" in run.stdout, run.stdout[-2000:]
+        assert_same_training(run, uninterrupted, first_step=STOP_AFTER + 1)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--pp", 2, "--dp", 2], "error: --pp 2 x --dp 2 x --tp 1 = 4 ranks, but 2 were launched; launch that many "
+                             "processes, or pass --dp 1"),
+    (["--pp", 2, "--tp", 2], "error: --pp 2 x --tp 2 = 4 does not divide the 2 ranks; pass sizes whose product "
+                             "divides them (a TP group must stay inside one node)"),
+], ids=["dp", "pp-tp"])
+def test_sizes_that_do_not_make_the_ranks_fail_with_one_line_on_every_rank(common_args, tmp_path, flags, message):
+    run = run_chapter("09", [*common_args, *flags], tmp_path, nproc=2, expect_ok=False, timeout=60)
+    assert run.returncode != 0
+    assert run.worker_stderr.count(message) == 2, run.stderr[-3000:]
+    assert 'train_llm.py", line' not in run.stderr  # no traceback from the script
+    assert not (run.exp_dir / "checkpoints").exists()

@@ -1,0 +1,750 @@
+"""Train a causal language model with DDP and gradient accumulation: K micro-batches per optimizer step.
+
+    torchrun --nproc_per_node=2 train_llm.py --grad-accum-steps 4    # global batch 2 ranks x -b 8 x 4 = 64
+    torchrun --nproc_per_node=8 train_llm.py -m meta-llama/Llama-3.2-1B -d roneneldan/TinyStories --lr 3e-4
+
+Chapter 02's script plus what --grad-accum-steps needs: K forward/backward passes per step, the loss divided
+by the tokens of the whole global batch, and DDP's all-reduce skipped (no_sync) on all but the last micro-step.
+"""
+import argparse
+import ctypes
+import gc
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import signal
+import sys
+import time
+import traceback
+import zlib
+from contextlib import nullcontext
+
+import datasets
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import transformers
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+
+# @record writes an uncaught exception's traceback where torchrun's failure report shows it.
+@record
+def main():
+    args = get_parser().parse_args()
+    # Schedulers (Slurm preemption, time limits) send a signal before they kill a job, and Ctrl-C sends SIGINT:
+    # we finish the current step, save a checkpoint and exit, so a relaunch of the same command loses nothing.
+    stop_signals = []
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(stop_signal, lambda signum, frame: request_stop(stop_signals, signum))
+    # NOTE: from here on a signal never kills a rank mid-way. torchrun signals every rank once one has failed:
+    # the others then still reach their own exit, with their own error line.
+    # torchrun starts workers in sessions of their own. If it is killed (kill -9, the OOM killer), the kernel
+    # sends us SIGTERM (PR_SET_PDEATHSIG = 1), and we stop with a checkpoint instead of training on as orphans.
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
+    # torchrun sets these for each process it starts. LOCAL_RANK numbers the processes on this node, and it,
+    # not rank % device_count, picks the GPU: nodes may differ in how many processes they run.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # nccl moves CUDA tensors between GPUs; gloo moves CPU tensors. device_id binds nccl to our GPU at once.
+    dist.init_process_group(
+        backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
+    )
+    # Weights and optimizer state stay fp32 (the "master" copy); only the forward/backward math runs in --dtype.
+    # Pure bf16 weights lose small updates: at lr 3e-5 most bf16 weights would never change.
+    compute_dtype = getattr(torch, args.dtype or default_compute_dtype(device))
+    exp_dir = make_experiment_dir(args.save_dir, args.experiment_name)
+    torch.manual_seed(args.seed)
+
+    config, tokenizer = load_config_and_tokenizer(args)
+    model = build_model(args, config, device)
+    param_shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+    flops_per_token = training_flops_per_token(model, config, args.seq_length)
+    num_params = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"model: {num_params / 1e6:.1f}M parameters, compute in {compute_dtype}")
+
+    # Rank 0 tokenizes first and fills the datasets cache, which the others then read instead of all racing to
+    # write it. If rank 0 fails, every rank exits with its message.
+    loaded_on_rank_0 = []
+    run_on_rank_0(lambda: loaded_on_rank_0.append(load_and_pack(args, tokenizer)))
+    if rank != 0:
+        datasets.disable_progress_bars()
+    data = loaded_on_rank_0[0] if rank == 0 else load_and_pack(args, tokenizer)
+    global_batch_size = args.batch_size * world_size * args.grad_accum_steps
+    tokens_per_step = global_batch_size * args.seq_length
+    steps_per_epoch = len(data) // global_batch_size
+    if steps_per_epoch == 0:
+        sys.exit(
+            f"error: the dataset gives {len(data)} sequences of {args.seq_length + 1} tokens, fewer than one "
+            f"batch of {global_batch_size} ({world_size} ranks x -b {args.batch_size} x --grad-accum-steps "
+            f"{args.grad_accum_steps}); use a smaller -b/--batch-size, --grad-accum-steps or "
+            "-s/--seq-length, or more data"
+        )
+    # --max-steps, when given, wins over --num-epochs (as in Hugging Face's Trainer): the data order repeats.
+    total_steps = args.max_steps or steps_per_epoch * args.num_epochs
+    if rank == 0 and args.warmup_steps > total_steps // 2:
+        print(
+            f"warning: --warmup-steps {args.warmup_steps} covers most of the {total_steps} steps, so the learning "
+            f"rate hardly decays; pass --warmup-steps {max(1, total_steps // 20)} or train longer", file=sys.stderr
+        )
+
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, total_steps)
+    )
+
+    # The data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure function of
+    # (seed, epoch), so resuming needs no replay of skipped batches. loss_window holds the losses summed since
+    # the last log line, so a resumed run logs the same averages as an uninterrupted one.
+    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0]}
+    # Rank 0 alone checks the checkpoints (and sets damaged ones aside); every rank loads the one it chose.
+    checkpoint_dir = run_on_rank_0(lambda: usable_checkpoint(exp_dir))
+    if checkpoint_dir is not None:
+        state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes)
+        print(f"rank {rank}: resumed from {checkpoint_dir} at step {state['step']}")
+    metrics_path = os.path.join(exp_dir, "metrics.jsonl")
+    if rank == 0:
+        truncate_metrics(metrics_path, after_step=state["step"])
+
+    # DDP broadcasts rank 0's weights to every rank, then all-reduces gradients in buckets while backward still
+    # runs. gradient_as_bucket_view makes the gradients views into those buckets instead of a second copy.
+    model = DistributedDataParallel(
+        model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True
+    )
+    # Compile AFTER wrapping: torch.compile then splits the graph at DDP's bucket boundaries (DDPOptimizer), so
+    # gradient all-reduces still overlap with backward.
+    if args.compile:
+        model.compile()
+    if args.wandb and rank == 0:
+        import wandb
+
+        # id + resume="allow": a relaunch of the same experiment continues the same wandb run.
+        wandb.init(
+            project="distributed-training-guide", name=args.experiment_name, id=args.experiment_name,
+            resume="allow", dir=exp_dir, config=vars(args),
+        )
+
+    autocast = nullcontext() if compute_dtype == torch.float32 else torch.autocast(device.type, compute_dtype)
+    peak_flops = peak_flops_per_second(device)
+    if rank == 0 and peak_flops is not None:
+        print(f"MFU is relative to {peak_flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of this GPU")
+    order = epoch_order(len(data), args.seed, state["epoch"])
+    stop = False
+    running_loss = torch.tensor(state["loss_window"][0], device=device)
+    steps_since_log = state["loss_window"][1]
+    show_progress = rank == 0 and sys.stderr.isatty()
+    progress = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not show_progress)
+    last_log_time, last_log_step = time.perf_counter(), state["step"]
+    model.train()
+
+    while state["step"] < total_steps:
+        if state["samples_in_epoch"] + global_batch_size > len(data):
+            state["epoch"] += 1
+            state["samples_in_epoch"] = 0
+            order = epoch_order(len(data), args.seed, state["epoch"])
+        batch_indices = order[state["samples_in_epoch"] : state["samples_in_epoch"] + global_batch_size]
+        state["samples_in_epoch"] += global_batch_size
+        # Every rank computes the same global batch and takes its own slice: N ranks at -b b see exactly the
+        # samples that one process sees at -b N*b. The slice is K micro-batches: chapter 02's rows at -b K*b.
+        rows_per_rank = args.batch_size * args.grad_accum_steps
+        local_indices = batch_indices[rank * rows_per_rank : (rank + 1) * rows_per_rank]
+        batch = to_device(data[local_indices]["input_ids"], device)
+        # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
+        input_ids, labels = batch[:, :-1], batch[:, 1:]
+
+        # The tokens that count in the loss (labels other than ignore_index, -100) in all micro-batches of all
+        # ranks. Packing never pads, so here they are always N x K x b x s; padding or masked prompts change that.
+        num_tokens = (labels != -100).sum()
+        dist.all_reduce(num_tokens)
+        loss = torch.zeros((), device=device)
+        for micro_step in range(args.grad_accum_steps):
+            rows = slice(micro_step * args.batch_size, (micro_step + 1) * args.batch_size)
+            # NOTE: no_sync skips DDP's all-reduce (forward and backward must both run inside it): gradients
+            # add up in .grad, and the last micro-step's backward all-reduces their sum.
+            last_micro_step = micro_step == args.grad_accum_steps - 1
+            with nullcontext() if last_micro_step else model.no_sync():
+                with autocast:
+                    logits = model(input_ids=input_ids[rows], use_cache=False).logits
+                # NOTE: summed over tokens and divided by the global count, the N x K pieces add up to the global
+                # batch's mean whatever tokens each holds; x world_size undoes DDP's division of the sum by N.
+                micro_loss = F.cross_entropy(
+                    logits.flatten(0, 1).float(), labels[rows].flatten(0, 1), reduction="sum"
+                ) * world_size / num_tokens
+                micro_loss.backward()
+            loss += micro_loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        optimizer.step()
+        # Read before the schedule advances, so the logged lr is the one this step used.
+        step_lr = lr_schedule.get_last_lr()[0]
+        lr_schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        progress.update(1)
+
+        # NOTE: nothing in a step reads a value back from the GPU (.item(), printing a tensor): the CPU queues
+        # the next step while the GPU computes this one. Losses are summed on the device until a log step.
+        running_loss += loss.detach()
+        steps_since_log += 1
+        if state["step"] % args.log_freq == 0 or state["step"] == total_steps:
+            # NOTE: one all-reduce per log step sums every rank's losses (their mean is the global batch's) and
+            # stop flags: a signal may reach ranks at different steps, or one rank only, and all must stop after
+            # the same step. So a stop waits for the next log step, and no step waits for the GPU.
+            totals = torch.stack([running_loss, torch.tensor(float(bool(stop_signals)), device=device)])
+            dist.all_reduce(totals)
+            loss_sum, stop_votes = totals.tolist()
+            mean_loss = loss_sum / world_size / steps_since_log
+            stop = stop_votes > 0
+            elapsed = time.perf_counter() - last_log_time
+            tokens_per_s = tokens_per_step * (state["step"] - last_log_step) / elapsed
+            metrics = {
+                "step": state["step"],
+                "epoch": state["epoch"],
+                "loss": mean_loss,
+                "grad_norm": grad_norm.item(),
+                "lr": step_lr,
+                "tokens_per_s": tokens_per_s,
+                "peak_memory_gb": peak_memory_gb(device),
+            }
+            if peak_flops is not None:
+                # tokens_per_s counts the tokens of all ranks, so the peak is that of all their GPUs.
+                metrics["mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
+            if rank == 0:
+                log_metrics(metrics_path, metrics, progress)
+            if args.wandb and rank == 0:
+                wandb.log(metrics, step=state["step"])
+            running_loss.zero_()
+            steps_since_log = 0
+            last_log_time, last_log_step = time.perf_counter(), state["step"]
+
+        if stop or state["step"] % args.ckpt_freq == 0 or state["step"] == total_steps:
+            # The window's losses are this rank's; the checkpoint keeps their mean over ranks.
+            dist.all_reduce(running_loss, op=dist.ReduceOp.AVG)
+            state["loss_window"] = [running_loss.item(), steps_since_log]
+            # Weights and optimizer state are the same on every rank, so rank 0 alone writes them. So is the
+            # RNG state: every rank ran the same random operations from the same seed.
+            if rank == 0:
+                save_checkpoint(exp_dir, state, param_shapes, model.module, optimizer, lr_schedule)
+        if stop:
+            # The others wait for rank 0's save: once any rank exits, torchrun stops the whole job.
+            dist.barrier()
+            break
+
+    progress.close()
+    if rank == 0 and state["step"] == total_steps:
+        export_hf(os.path.join(exp_dir, "hf"), model.module, tokenizer)
+    if args.wandb and rank == 0:
+        wandb.finish()
+    # NOTE: free DDP before the process group: freed later, its gloo state is destroyed while a communication
+    # thread waits for the GIL, and the process hangs. --compile keeps it in a cycle that only gc frees.
+    del model
+    gc.collect()
+    dist.destroy_process_group()
+    if state["step"] < total_steps:
+        sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-m", "--model-name", type=hub_id_or_path, default=None,
+                        help="Hugging Face model id or local folder (default: a tiny Llama built offline)")
+    parser.add_argument("--from-pretrained", action="store_true",
+                        help="load the weights of -m (default: fresh weights from -m's config)")
+    parser.add_argument("-d", "--dataset-name", type=hub_id_or_path, default=None,
+                        help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
+                             "with a 'text' column (default: an offline synthetic corpus)")
+    parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
+    parser.add_argument("-b", "--batch-size", type=positive_int, default=8,
+                        help="sequences per micro-step on this device")
+    parser.add_argument("--grad-accum-steps", type=positive_int, default=1,
+                        help="micro-steps per optimizer step: global batch = ranks x -b x this")
+    parser.add_argument("-s", "--seq-length", type=positive_int, default=128, help="tokens per sequence")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=20)
+    parser.add_argument("--max-steps", type=positive_int, default=None,
+                        help="train this many steps, over as many epochs as that takes (default: --num-epochs)")
+    parser.add_argument("--num-epochs", type=positive_int, default=1)
+    parser.add_argument("--max-grad-norm", type=positive_float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="compute dtype (default: bfloat16 on GPUs that have it, else float32); "
+                             "weights stay float32")
+    parser.add_argument("--attn-implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("-e", "--experiment-name", default="default",
+                        help="name of the run; relaunching the same name resumes it")
+    parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")
+    parser.add_argument("--ckpt-freq", type=positive_int, default=100,
+                        help="save a checkpoint every this many steps")
+    parser.add_argument("--log-freq", type=positive_int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
+    return parser
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def hub_id_or_path(name):
+    """A name that can only be a local path (it starts with / . or ~, names a data file, or has more folders
+    than a Hub id's owner/name) must exist: a mistyped path must not go to the Hub and fail there after retries."""
+    extension = os.path.splitext(name)[1]
+    local = name.startswith(("/", ".", "~")) or extension in DATA_FILE_BUILDERS or name.count("/") > 1
+    if local and not os.path.exists(os.path.expanduser(name)):
+        raise argparse.ArgumentTypeError(f"no such file or folder: {name!r}")
+    return os.path.expanduser(name) if local else name
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def default_compute_dtype(device):
+    # Not emulated: a GPU older than Ampere has no bf16 tensor cores, and emulated bf16 is slower than fp32.
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    return "float32"
+
+
+def make_experiment_dir(save_dir, experiment_name):
+    exp_dir = os.path.join(save_dir, experiment_name)
+    try:
+        os.makedirs(exp_dir, exist_ok=True)
+        probe = os.path.join(exp_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
+    return exp_dir
+
+
+def run_on_rank_0(fn):
+    """fn() on rank 0 alone; every rank returns its result. If fn exits with an error line there (sys.exit),
+    every rank exits with that same line, instead of waiting for rank 0 in the next collective."""
+    outcome = [None, None]
+    if dist.get_rank() == 0:
+        try:
+            outcome = [fn(), None]
+        except SystemExit as error:
+            outcome = [None, str(error.code)]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[1] is not None:
+        sys.exit(outcome[1])
+    return outcome[0]
+
+
+def request_stop(stop_signals, signum):
+    # NOTE: a handler may run again while it runs (two signals in a row): taking a lock here, as
+    # threading.Event.set does, can deadlock. Appending to a list takes none.
+    stop_signals.append(signum)
+    # A second Ctrl-C ends the process at once, without waiting for the step and the checkpoint.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def load_config_and_tokenizer(args):
+    if args.model_name is None:
+        if args.from_pretrained:
+            sys.exit("error: --from-pretrained needs -m/--model-name (the default tiny model has no weights)")
+        config, tokenizer = tiny_llama_config(), transformers.ByT5Tokenizer(extra_ids=0)
+    else:
+        try:
+            config = transformers.AutoConfig.from_pretrained(args.model_name)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name)
+        except Exception as error:
+            sys.exit(
+                f"error: cannot load model {args.model_name!r} ({first_line(error)}); pass a Hugging Face model "
+                "id or a local folder with config.json and a tokenizer"
+            )
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None and args.seq_length > max_positions:
+        sys.exit(
+            f"error: -s/--seq-length {args.seq_length} is longer than {args.model_name or 'the tiny model'}'s "
+            f"{max_positions} positions; pass -s {max_positions} or less"
+        )
+    return config, tokenizer
+
+
+DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def tiny_llama_config():
+    # vocab 272 = ByT5's 259 byte tokens rounded up so it divides by 2, 4, 8, 16 (tensor parallel shards).
+    return transformers.LlamaConfig(
+        vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=None, eos_token_id=1, pad_token_id=0,
+    )
+
+
+def build_model(args, config, device):
+    try:
+        # Building under `with device` allocates the weights directly on the GPU, not in host RAM first.
+        with device:
+            if args.from_pretrained:
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    args.model_name, dtype=torch.float32, attn_implementation=args.attn_implementation
+                )
+            else:
+                model = transformers.AutoModelForCausalLM.from_config(
+                    config, dtype=torch.float32, attn_implementation=args.attn_implementation
+                )
+    except (ImportError, ValueError, OSError) as error:
+        sys.exit(f"error: cannot build model {args.model_name or 'tiny-llama'!r}: {first_line(error)}")
+    return model
+
+
+def load_and_pack(args, tokenizer):
+    """Tokenize every document, join them with EOS between documents, and cut the token stream into rows
+    of seq_length + 1 tokens. datasets caches the result next to the downloaded data."""
+    if args.dataset_name is None:
+        raw = datasets.Dataset.from_dict({"text": tiny_corpus()})
+    else:
+        raw = load_raw_dataset(args.dataset_name, args.dataset_subset)
+    if "text" not in raw.column_names:
+        sys.exit(f"error: dataset {args.dataset_name!r} has no 'text' column (it has {raw.column_names})")
+    row_length = args.seq_length + 1
+    eos = tokenizer.eos_token_id
+
+    def tokenize_and_pack(batch):
+        stream = []
+        texts = [text for text in batch["text"] if text]
+        for ids in tokenizer(texts)["input_ids"] if texts else []:
+            stream.extend(ids)
+            if eos is not None and (not ids or ids[-1] != eos):
+                stream.append(eos)
+        num_rows = len(stream) // row_length
+        return {"input_ids": [stream[i * row_length : (i + 1) * row_length] for i in range(num_rows)]}
+
+    packed = raw.map(tokenize_and_pack, batched=True, batch_size=1000, remove_columns=raw.column_names,
+                     desc=f"tokenize and pack into rows of {row_length}")
+    if len(packed) == 0 and not any(raw["text"]):
+        sys.exit(f"error: dataset {args.dataset_name!r} has no text: its 'text' column is empty in all rows")
+    return packed.with_format("numpy")
+
+
+def load_raw_dataset(name, subset):
+    if os.path.isfile(name):
+        check_data_file(name)
+    try:
+        if os.path.isfile(name):
+            builder = DATA_FILE_BUILDERS[os.path.splitext(name)[1]]
+            return datasets.load_dataset(builder, data_files=name, split="train")
+        return datasets.load_dataset(name, subset, split="train")
+    except Exception as error:
+        sys.exit(
+            f"error: cannot load dataset {name!r} ({first_line(error)}); pass a Hugging Face dataset id "
+            "(and --dataset-subset if it has several), or a local file or folder"
+        )
+
+
+def check_data_file(path):
+    """Name what is wrong with a local data file before datasets gives a generic error about it."""
+    extension = os.path.splitext(path)[1]
+    if extension not in DATA_FILE_BUILDERS:
+        sys.exit(f"error: cannot read {path!r}: use a {', '.join(DATA_FILE_BUILDERS)} file or a folder of them")
+    if os.path.getsize(path) == 0:
+        sys.exit(f"error: {path!r} is empty")
+    if extension != ".parquet":
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        try:
+            # The last 3 bytes may be a multi-byte character cut in two by the read.
+            (head if len(head) < 1 << 16 else head[:-3]).decode("utf-8")
+        except UnicodeDecodeError:
+            sys.exit(f"error: {path!r} is not a text file (not UTF-8); pass a {extension} file of text")
+        if b"\0" in head:
+            sys.exit(f"error: {path!r} is not a text file (it holds NUL bytes); pass a {extension} file of text")
+
+
+def tiny_corpus(num_documents=4000, seed=1234):
+    """Short stories with structure a tiny model can learn in a minute: templates, names and sums."""
+    rng = random.Random(seed)
+    names = ["Ada", "Ben", "Cleo", "Dev", "Eva", "Finn", "Gia", "Hugo", "Ines", "Jon", "Kai", "Lena"]
+    things = ["apples", "books", "coins", "shells", "stamps", "marbles", "pencils", "cards"]
+    documents = []
+    for _ in range(num_documents):
+        giver, taker = rng.sample(names, 2)
+        thing = rng.choice(things)
+        had, given = rng.randint(1, 20), rng.randint(1, 20)
+        documents.append(
+            f"{taker} has {had} {thing}. {giver} gives {taker} {given} more {thing}. "
+            f"Now {taker} has {had + given} {thing}."
+        )
+    return documents
+
+
+def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
+    """Multiplier of the peak learning rate: linear warmup, then one cosine down to final_fraction at the end."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def epoch_order(num_rows, seed, epoch):
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def to_device(rows, device):
+    batch = torch.from_numpy(rows)
+    # Only a copy from pinned (page-locked) memory runs asynchronously: the GPU fetches the batch while the CPU
+    # goes on queueing work. A copy from ordinary memory blocks the CPU despite non_blocking=True.
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
+
+
+def training_flops_per_token(model, config, seq_length):
+    """6 FLOPs per matmul weight per token (2 forward, 4 backward), plus the attention scores
+    (12 * layers * hidden * seq_length, PaLM appendix B). Every weight is a matmul weight except the input
+    embedding (a lookup); a tied output head is that same tensor used again, as a matmul."""
+    embedding = model.get_input_embeddings().weight
+    num_matmul_params = sum(p.numel() for p in model.parameters() if p is not embedding)
+    if model.get_output_embeddings().weight is embedding:
+        num_matmul_params += embedding.numel()
+    return 6 * num_matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_length
+
+
+# Dense bf16 tensor-core peaks from the datasheets (without sparsity). The first name found in the GPU's name
+# wins, so the longer names come first ("GH200" also contains "H200").
+PEAK_BF16_FLOPS = [
+    ("GH200", 989e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12),
+    ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12),
+]
+
+
+def peak_flops_per_second(device):
+    """The GPU's dense bf16 peak, or None (CPU, or a GPU not in the table: no MFU rather than a guess)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def peak_memory_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # On CPU the process's peak resident memory is the honest number (ru_maxrss: KiB on Linux, bytes on macOS).
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+
+
+def log_metrics(path, metrics, progress):
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
+    progress.write(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+
+
+def truncate_metrics(path, after_step):
+    """After a resume, drop the lines that the interrupted run logged past its last checkpoint."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def usable_checkpoint(exp_dir):
+    """The newest complete checkpoint whose files are all as they were written, or None if there is none yet.
+
+    A save writes into step-N.partial and renames it to step-N when done, so a run killed mid-save leaves a
+    .partial folder, which is ignored. A complete one can still be damaged later (a full disk, a node crash
+    before the data reached the disk): it is renamed to step-N.damaged, never deleted, and the one before is used.
+    """
+    checkpoints_dir = os.path.join(exp_dir, "checkpoints")
+    if not os.path.isdir(checkpoints_dir):
+        return None
+    complete = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
+    for name in reversed(complete):
+        checkpoint_dir = os.path.join(checkpoints_dir, name)
+        damage = checkpoint_damage(checkpoint_dir)
+        if damage is None:
+            return checkpoint_dir
+        os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
+        print(f"warning: checkpoint {checkpoint_dir} is damaged ({damage}); set it aside as {name}.damaged",
+              file=sys.stderr)
+    if complete:
+        sys.exit(
+            f"error: every checkpoint in {checkpoints_dir} is damaged (now *.damaged); move them away to start "
+            "fresh, or pass a new -e/--experiment-name"
+        )
+    return None
+
+
+def file_digest(path):
+    """(size, CRC-32) of a file, read in 16 MiB pieces: about a second per GB from the page cache."""
+    crc = 0
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 24):
+            crc = zlib.crc32(piece, crc)
+    return [os.path.getsize(path), crc]
+
+
+def write_manifest(checkpoint_dir):
+    """Record the size and checksum of every file of a checkpoint, so that loading can tell a damaged one."""
+    files = sorted(
+        os.path.relpath(os.path.join(folder, name), checkpoint_dir)
+        for folder, _, names in os.walk(checkpoint_dir) for name in names
+    )
+    with open(os.path.join(checkpoint_dir, "manifest.json"), "w") as f:
+        json.dump({name: file_digest(os.path.join(checkpoint_dir, name)) for name in files}, f)
+
+
+def checkpoint_damage(checkpoint_dir):
+    """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest."""
+    try:
+        with open(os.path.join(checkpoint_dir, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return "manifest.json is missing or unreadable"
+    for name, recorded in manifest.items():
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if file_digest(path) != recorded:
+            return f"{name} differs from what was written ({os.path.getsize(path)} of {recorded[0]} bytes)"
+    return None
+
+
+def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
+    checkpoints_dir = os.path.join(exp_dir, "checkpoints")
+    final_dir = os.path.join(checkpoints_dir, f"step-{state['step']:08d}")
+    partial_dir = final_dir + ".partial"
+    if os.path.exists(final_dir):
+        return
+    shutil.rmtree(partial_dir, ignore_errors=True)
+    os.makedirs(partial_dir)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "lr_schedule": lr_schedule.state_dict(),
+            # The data order has its own generator; these cover anything random in the model (dropout).
+            "rng": rng_state(),
+        },
+        os.path.join(partial_dir, "checkpoint.pt"),
+    )
+    with open(os.path.join(partial_dir, "state.json"), "w") as f:
+        json.dump({**state, "param_shapes": param_shapes}, f)
+    write_manifest(partial_dir)
+    # The rename is atomic: a crash before it leaves the previous checkpoint as the newest complete one.
+    os.rename(partial_dir, final_dir)
+    remove_old_checkpoints(checkpoints_dir)
+
+
+def remove_old_checkpoints(checkpoints_dir, keep=2):
+    """Keep the newest `keep` complete checkpoints (the one before the newest is the fallback if the newest
+    turns out damaged) and any *.damaged folder for inspection; remove the rest and stale .partial folders."""
+    complete = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
+    stale = [name for name in os.listdir(checkpoints_dir) if name.endswith(".partial")]
+    for name in complete[:-keep] + stale:
+        shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
+
+
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes):
+    with open(os.path.join(checkpoint_dir, "state.json")) as f:
+        state = json.load(f)
+    saved_shapes = state.pop("param_shapes")
+    if saved_shapes != param_shapes:
+        sys.exit(
+            f"error: checkpoint {checkpoint_dir} holds a different model "
+            f"({describe_mismatch(saved_shapes, param_shapes)}); "
+            "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
+        )
+    checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
+    model.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    lr_schedule.load_state_dict(checkpoint["lr_schedule"])
+    set_rng_state(checkpoint["rng"])
+    return state
+
+
+def rng_state():
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda_state}
+
+
+def set_rng_state(saved):
+    torch.set_rng_state(saved["cpu"])
+    if torch.cuda.is_available() and saved["cuda"] is not None:
+        torch.cuda.set_rng_state(saved["cuda"])
+
+
+def describe_mismatch(saved_shapes, param_shapes):
+    for name in sorted(set(saved_shapes) | set(param_shapes)):
+        if saved_shapes.get(name) != param_shapes.get(name):
+            return f"{name}: {saved_shapes.get(name)} in the checkpoint, {param_shapes.get(name)} in this model"
+    return "same parameters"
+
+
+def export_hf(hf_dir, model, tokenizer):
+    """Write the trained model in Hugging Face format: AutoModelForCausalLM.from_pretrained(hf_dir) loads it."""
+    model.save_pretrained(hf_dir)
+    tokenizer.save_pretrained(hf_dir)
+    print(f"saved the trained model to {hf_dir}")
+
+
+def first_line(error):
+    text = str(error).strip() or type(error).__name__
+    return text.splitlines()[0]
+
+
+def report_exit(stop):
+    """The exit code of sys.exit(code or "message"). A message is printed, as the interpreter does, and
+    written where torchrun's failure summary shows it (instead of "To enable traceback see ...")."""
+    if not isinstance(stop.code, str):
+        return stop.code or 0
+    # One write with its newline: the lines of several ranks on one terminal then cannot interleave.
+    sys.stderr.write(stop.code + "\n")
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # The format of @record's error file, with the message where the traceback would be.
+        extra_info = {"py_callstack": stop.code, "timestamp": str(int(time.time()))}
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": stop.code, "extraInfo": extra_info}}, f)
+    return 1
+
+
+if __name__ == "__main__":
+    # NOTE: every exit skips the interpreter's teardown (os._exit): gloo's worker threads can outlive the
+    # process group, and torn down with the interpreter they can hang or abort a finished process
+    # (pytorch/pytorch#56297, #190489). By now everything is written and closed.
+    try:
+        main()
+        exit_code = 0
+    except SystemExit as stop:
+        exit_code = report_exit(stop)
+    except Exception:
+        traceback.print_exc()
+        exit_code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

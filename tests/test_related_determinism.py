@@ -63,7 +63,8 @@ def test_a_stopped_and_resumed_run_is_bitwise_the_uninterrupted_one(first_run, s
                                                                      tmp_path):
     """The relaunch crosses the epoch boundary and must draw the dropout masks the uninterrupted run drew."""
     # dropout does draw random numbers in these steps: the generator moved on between the two checkpoints
-    assert not torch.equal(checkpoint(first_run, STOP_AFTER)["rng"]["cpu"], checkpoint(first_run, STEPS)["rng"]["cpu"])
+    rng_at_stop, rng_at_end = (checkpoint(first_run, step)["rng"]["cpu"] for step in (STOP_AFTER, STEPS))
+    assert not torch.equal(rng_at_stop, rng_at_end)
     shutil.copytree(stopped_run.exp_dir, tmp_path / "outputs" / "test")
     resumed = run_chapter("02", [*dropout_args, "--seed", 0], tmp_path, nproc=2)
 

@@ -1,0 +1,132 @@
+"""related-topics/elastic-training: torchrun restarts the workers after a crash (--max-restarts) and takes in
+a node that joins a running job (--nnodes=MIN:MAX); chapter 02's script resumes from its checkpoint each time.
+
+tests/test_03_launchers.py::test_crashed_worker_is_restarted_from_the_checkpoint_within_the_job proves the
+restart under Slurm on two nodes (job.sbatch). Here: the one-machine command `torchrun --standalone
+--max-restarts=1`, compared bit for bit with an uninterrupted run; and a second node joining a one-node job.
+Events come from tests/related_elastic_inject.py, which runs the chapter's script unchanged.
+"""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CHAPTERS, max_weight_diff, offline_env
+
+INJECT = Path(__file__).with_name("related_elastic_inject.py")
+# NOTE: torchrun (torch >= 2.5) keeps its rendezvous store across a restart, with the crashed workers' keys
+# still in it, and the restarted workers fail to connect ("Connection refused"; pytorch/pytorch#135712).
+# With this, rank 0 hosts a fresh store for every start (as job.sbatch does).
+FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def start_torchrun(launch_flags, args, tmp_path, env, experiment):
+    """torchrun <launch_flags> related_elastic_inject.py <chapter 02's flags>, in its own process group."""
+    command = [sys.executable, "-m", "torch.distributed.run", *launch_flags, str(INJECT), *map(str, args),
+               "--save-dir", str(tmp_path / "outputs"), "-e", experiment]
+    return subprocess.Popen(
+        command, cwd=tmp_path, env={**offline_env(tmp_path), **FRESH_STORE, **env,
+                                    "ELASTIC_SCRIPT": str(CHAPTERS["02"] / "train_llm.py")},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
+def wait_all(processes, timeout=240):
+    """[(returncode, stdout, stderr)] of each; on a hang every process group is killed and the test fails."""
+    deadline = time.monotonic() + timeout
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=max(1, deadline - time.monotonic()))
+            results.append((process.returncode, stdout, stderr))
+    except subprocess.TimeoutExpired:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+        pytest.fail(f"torchrun hung for {timeout} s")
+    return results
+
+
+def metrics(exp_dir):
+    path = exp_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+@pytest.fixture
+def reference(launch_once, common_args):
+    """Chapter 02 on 2 ranks, uninterrupted (tests/test_02_ddp.py's run: 22 steps over two epochs, -b 32)."""
+    return launch_once("02", [*common_args, "-b", 32, "--num-epochs", 2], nproc=2)
+
+
+def test_a_killed_worker_is_restarted_and_the_job_ends_as_the_uninterrupted_run(reference, common_args,
+                                                                                 tmp_path):
+    """SIGKILL rank 1 after step 6, two steps after the checkpoint of step 4: torchrun stops rank 0, starts
+    both again (attempt 1 of --max-restarts=1), they resume from step 4, and the job exits 0."""
+    args = [*common_args, "-b", 32, "--num-epochs", 2, "--ckpt-freq", 4]
+    kill = {"ELASTIC_EVENT": "sigkill", "ELASTIC_RANK": "1", "ELASTIC_AFTER_STEP": "6"}
+    launch = ["--standalone", "--nproc_per_node=2", "--max-restarts=1"]
+    torchrun = start_torchrun(launch, args, tmp_path, kill, "killed")
+    [(returncode, stdout, stderr)] = wait_all([torchrun])
+
+    assert returncode == 0, stderr[-4000:]
+    assert "elastic: SIGKILL to rank 1 after step 6" in stderr
+    # both ranks of the second start resumed from the newest checkpoint: steps 5 and 6 ran twice
+    resumed = re.findall(r"rank (\d): resumed from \S+step-00000004 at step 4", stdout)
+    assert sorted(resumed) == ["0", "1"], stdout
+    exp_dir = tmp_path / "outputs" / "killed"
+    # metrics.jsonl was cut back to step 4 on resume, so it reads as one clean run: the same world size doing
+    # the same operations in the same order gives the uninterrupted run's losses to the bit, and its weights
+    assert [m["step"] for m in metrics(exp_dir)] == list(range(1, 23))
+    assert [m["loss"] for m in metrics(exp_dir)] == reference.losses
+    assert max_weight_diff(exp_dir / "hf", reference.exp_dir / "hf") == 0
+
+
+SCALE_STEPS = 60
+
+
+def test_a_node_that_joins_restarts_every_worker_from_a_checkpoint_at_twice_the_global_batch(common_args,
+                                                                                             tmp_path):
+    """Two torchrun agents with --nnodes=1:2 (two "nodes" on this machine, one process each). The first trains
+    alone; when the second arrives, the first's agent sends its worker SIGTERM, chapter 02 checkpoints at that
+    step and exits, and both agents start one worker each, which resume at world size 2. -b stays 4 per rank,
+    so the global batch goes from 4 to 8. --max-restarts=0: a membership change is not a failure."""
+    with socket.socket() as probe:
+        probe.bind(("localhost", 0))
+        port = probe.getsockname()[1]
+    launch = ["--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=0", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=scale-up",
+              # NOTE: the first agent waits this long for more nodes once it has its minimum (default 30 s)
+              "--rdzv-conf=last_call_timeout=1"]
+    args = [*common_args, "-b", 4, "--max-steps", SCALE_STEPS]
+    env = {"ELASTIC_EVENT": "slow-alone", "ELASTIC_AFTER_STEP": "2"}
+    exp_dir = tmp_path / "outputs" / "scale-up"
+    first = start_torchrun(launch, args, tmp_path, env, "scale-up")
+    deadline = time.monotonic() + 120
+    while not metrics(exp_dir) and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    second = start_torchrun(launch, args, tmp_path, env, "scale-up")
+    results = wait_all([first, second])
+
+    assert [r[0] for r in results] == [0, 0], "\n".join(r[2][-3000:] for r in results)
+    stdout = "".join(r[1] for r in results)
+    stderr = "".join(r[2] for r in results)
+    stopped_at = int(re.search(r"stopped by a signal after step (\d+);", stderr)[1])
+    assert 1 <= stopped_at < SCALE_STEPS
+    # rank 1 exists only in the world of 2: both ranks resumed from the checkpoint the stop wrote
+    resumed = re.findall(rf"rank (\d): resumed from \S+step-{stopped_at:08d} at step {stopped_at}\b", stdout)
+    assert sorted(resumed) == ["0", "1"], stdout
+    assert [m["step"] for m in metrics(exp_dir)] == list(range(1, SCALE_STEPS + 1))
+    # The data position counts the samples trained on: 4 a step alone, 8 a step after the join (in one epoch).
+    final = json.loads((exp_dir / "checkpoints" / f"step-{SCALE_STEPS:08d}" / "state.json").read_text())
+    assert final["epoch"] == 0
+    assert final["samples_in_epoch"] == 4 * stopped_at + 8 * (SCALE_STEPS - stopped_at)
+    print(f"one node for {stopped_at} steps, two nodes for {SCALE_STEPS - stopped_at}: "
+          f"{final['samples_in_epoch']} samples instead of {4 * SCALE_STEPS}")

@@ -225,6 +225,59 @@ def max_weight_diff(hf_dir_a, hf_dir_b):
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
+def assert_same_training(ours, reference, steps, first_step=1):
+    """Runs of `steps` steps log the same losses (1e-5) and gradient norms (1e-4 relative) from first_step on,
+    and export the same weights (1e-4): the fp32 tolerances that rounding in another order stays within."""
+    assert [m["step"] for m in ours.metrics] == [m["step"] for m in reference.metrics] == list(range(1, steps + 1))
+    for mine, theirs in list(zip(ours.metrics, reference.metrics))[first_step - 1 :]:
+        assert abs(mine["loss"] - theirs["loss"]) < 1e-5, (mine, theirs)
+        # NOTE: with clipping active, a norm that missed a piece of the model (a dp or tp slice, a pipeline
+        # stage) or counted one twice changes the updates, which the loss alone may hide for a few steps.
+        assert abs(mine["grad_norm"] - theirs["grad_norm"]) < 1e-4 * theirs["grad_norm"], (mine, theirs)
+    assert max_weight_diff(ours.exp_dir / "hf", reference.exp_dir / "hf") < 1e-4
+
+
+def stop_then_resume(chapter, args, nproc, tmp_path, stop_after, elsewhere):
+    """SIGTERM a launch after step `stop_after` (tests/inject.py) and check it saved that step and said how to
+    resume; relaunch it as it was, and from a copy of the stopped run with the flags and process count of
+    `elsewhere` = (args, nproc), another layout. Returns the two resumed runs."""
+    stopped = run_chapter(chapter, args, tmp_path, nproc=nproc, script=INJECT, expect_ok=False,
+                          env=inject_env(chapter, "sigterm", after_step=stop_after))
+    assert stopped.returncode == 1, stopped.stderr[-3000:]
+    assert f"stopped by a signal after step {stop_after}; relaunch the same command to resume" in stopped.stderr
+    assert [p.name for p in (stopped.exp_dir / "checkpoints").iterdir()] == [f"step-{stop_after:08d}"]
+    shutil.copytree(stopped.exp_dir, tmp_path / "outputs" / "elsewhere")
+    resumed = run_chapter(chapter, args, tmp_path, nproc=nproc)
+    other_args, other_nproc = elsewhere
+    resumed_elsewhere = run_chapter(chapter, other_args, tmp_path, nproc=other_nproc, experiment="elsewhere")
+    for run in (resumed, resumed_elsewhere):
+        assert f"at step {stop_after}" in run.stdout, run.stdout[-2000:]
+    return resumed, resumed_elsewhere
+
+
+def wandb_records(wandb_file):
+    """The protobuf records of an offline .wandb file: a LevelDB-style log of 32 KiB blocks (after a 7-byte
+    file header), each record a 7-byte header (CRC, length, type) and a protobuf Record."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(wandb_file).read_bytes()
+    position, pending = 7, b""
+    while position + 7 <= len(data):
+        if 32768 - position % 32768 < 7:  # a block's tail too short for a header is padding
+            position += 32768 - position % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
 @pytest.fixture(scope="module")
 def cluster():
     """A running two-node practice cluster (03-job-launchers/practice-cluster); always torn down, also when a

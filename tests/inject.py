@@ -12,8 +12,13 @@ INJECT=kill-in-save   in the k-th torch.save of this launch write half of the fi
 INJECT=shard-bytes    after the k-th step, print "rank r: shard_bytes {json}": the bytes of weights, gradients
                       and optimizer state this rank holds, and those of the whole model
 INJECT=count-all-reduce  at exit, print "rank r: all_reduce_calls N": the script's own dist.all_reduce calls
+INJECT=sigkill        SIGKILL this rank right after its k-th optimizer step (the OOM killer, a segfault)
+INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
+                      that a one-node run cannot end before a second node (that a test starts) joins it
 
-Only rank INJECT_RANK (default: every rank) is affected. Steps are counted with torch's public global
+Only rank INJECT_RANK (default: every rank) is affected, and only in the first start of the workers
+(TORCHELASTIC_RESTART_COUNT 0): workers that torchrun --max-restarts starts again run clean, as after a real
+crash. Steps are counted with torch's public global
 optimizer hook, so the chapter script runs as __main__ exactly as `python train_llm.py` would run it: the
 signals are real, the save is torch.save's own bytes cut short. Not collected by pytest (no test_ prefix).
 """
@@ -34,7 +39,8 @@ script = os.path.abspath(os.environ["INJECT_SCRIPT"])
 what = os.environ["INJECT"]
 after_step = int(os.environ.get("INJECT_AFTER_STEP", "1"))
 rank = int(os.environ.get("RANK", "0"))
-affected = os.environ.get("INJECT_RANK") in (None, str(rank))
+affected = (os.environ.get("INJECT_RANK") in (None, str(rank))
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0")
 
 
 def say(line):
@@ -67,6 +73,10 @@ steps_done = 0
 def after_optimizer_step(optimizer, args, kwargs):
     global steps_done
     steps_done += 1
+    if what == "slow-alone":
+        if steps_done >= after_step and os.environ["WORLD_SIZE"] == "1":
+            time.sleep(1)
+        return
     if not affected or steps_done != after_step:
         return
     if what == "shard-bytes":
@@ -77,11 +87,13 @@ def after_optimizer_step(optimizer, args, kwargs):
     say(f"{what} on rank {rank} after step {steps_done} at {time.time():.3f}")
     if what == "raise":
         raise RuntimeError(f"injected failure on rank {rank} after step {steps_done}")
+    if what == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
     for _ in range(2 if what == "sigint-twice" else 1):
         os.kill(os.getpid(), signal.SIGTERM if what == "sigterm" else signal.SIGINT)
 
 
-if what in ("sigterm", "sigint", "sigint-twice", "raise", "shard-bytes"):
+if what in ("sigterm", "sigint", "sigint-twice", "raise", "shard-bytes", "sigkill", "slow-alone"):
     register_optimizer_step_post_hook(after_optimizer_step)
 elif what == "kill-in-save":
     real_save, saves_done = torch.save, 0

@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import INJECT, inject_env, max_weight_diff, run_chapter, write_tiny_model
+from conftest import INJECT, inject_env, max_weight_diff, run_chapter, wandb_records, write_tiny_model
 
 # NOTE: 8 steps with a checkpoint every 2: long enough to stop in the middle, short enough for a test.
 EXACT = ["--max-steps", 8, "--ckpt-freq", 2]
@@ -44,29 +44,10 @@ def interrupted(tmp_path, args, what, after_step):
 
 
 def wandb_history(run_dir):
-    """The rows an offline wandb run logged, read from its .wandb file: a LevelDB-style log of 32 KiB blocks
-    (after a 7-byte file header), each record a 7-byte header (CRC, length, type) and a protobuf Record."""
-    import struct
-
-    from wandb.proto import wandb_internal_pb2
-
-    data = next(run_dir.glob("*.wandb")).read_bytes()
-    position, pending, rows = 7, b"", []
-    while position + 7 <= len(data):
-        if 32768 - position % 32768 < 7:  # a block's tail too short for a header is padding
-            position += 32768 - position % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
-        pending += data[position + 7 : position + 7 + length]
-        position += 7 + length
-        if kind in (1, 4):  # a whole record, or the last piece of one
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
-    return rows
+    """The rows an offline wandb run logged, read from its .wandb file."""
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in wandb_records(next(run_dir.glob("*.wandb")))
+            if record.WhichOneof("record_type") == "history"]
 
 
 def test_loss_falls_well_below_the_starting_loss(default_run_with_wandb):

@@ -11,11 +11,13 @@ resume) changes.
 """
 import json
 import re
-import shutil
 
 import pytest
 
-from conftest import INJECT, inject_env, load_weights, max_weight_diff, run_chapter, write_tiny_model
+from conftest import (
+    INJECT, assert_same_training, inject_env, load_weights, max_weight_diff, run_chapter, stop_then_resume,
+    write_tiny_model,
+)
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -53,15 +55,6 @@ def launch(launch_once, common_args):
     return launch_layout
 
 
-def assert_same_training(ours, reference, first_step=1):
-    assert [m["step"] for m in ours.metrics] == [m["step"] for m in reference.metrics] == list(range(1, STEPS + 1))
-    for mine, theirs in list(zip(ours.metrics, reference.metrics))[first_step - 1 :]:
-        assert abs(mine["loss"] - theirs["loss"]) < 1e-5, (mine, theirs)
-        # NOTE: a gradient scaled by dp or tp can hide in the loss while clipping is active, not in the norm.
-        assert abs(mine["grad_norm"] - theirs["grad_norm"]) < 1e-4 * theirs["grad_norm"], (mine, theirs)
-    assert max_weight_diff(ours.exp_dir / "hf", reference.exp_dir / "hf") < 1e-4
-
-
 @pytest.mark.parametrize("model_path", ["llama", "qwen3"], indirect=True)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[f"dp{dp}-tp{tp}" for dp, tp in LAYOUTS])
 def test_2d_matches_single_process_at_the_global_batch(launch, model_path, layout):
@@ -70,7 +63,7 @@ def test_2d_matches_single_process_at_the_global_batch(launch, model_path, layou
     assert single_process.losses[-1] < single_process.losses[0] - 0.5
     # clipping is active (--max-grad-norm 1), so a norm that missed a dimension would change the updates
     assert min(m["grad_norm"] for m in single_process.metrics) > 1.5
-    assert_same_training(launch(model_path, layout), single_process)
+    assert_same_training(launch(model_path, layout), single_process, STEPS)
 
 
 def shard_bytes(run):
@@ -109,24 +102,14 @@ def test_sigterm_then_relaunch_on_the_same_and_on_another_layout_continues_the_u
     uninterrupted = launch(tiny_model, (2, 2))
     args = [*common_args, "-m", tiny_model, "--max-steps", STEPS]
     flags, nproc = on(2, 2)
-    stopped = run_chapter("07", [*args, *flags], tmp_path, nproc=nproc, script=INJECT,
-                          env=inject_env("07", "sigterm", after_step=STOP_AFTER), expect_ok=False)
-    assert stopped.returncode == 1, stopped.stderr[-3000:]
-    assert f"stopped by a signal after step {STOP_AFTER}; relaunch the same command to resume" in stopped.stderr
-    assert [p.name for p in (stopped.exp_dir / "checkpoints").iterdir()] == [f"step-{STOP_AFTER:08d}"]
-    shutil.copytree(stopped.exp_dir, tmp_path / "outputs" / "other-layout")
-
     # The same layout, and (dp 1, tp 2) at -b 8: the same global batch on half the ranks. DCP stores where each
     # piece sits in the full tensor, so the (dp 2, tp 2) checkpoint reshards on load.
-    resumed = run_chapter("07", [*args, *flags], tmp_path, nproc=nproc)
-    flags, nproc = on(1, 2)
-    resumed_elsewhere = run_chapter("07", [*args, *flags], tmp_path, nproc=nproc,
-                                    experiment="other-layout")
-    for run in (resumed, resumed_elsewhere):
-        assert f"at step {STOP_AFTER}" in run.stdout, run.stdout[-2000:]
+    other_flags, other_nproc = on(1, 2)
+    for run in stop_then_resume("07", [*args, *flags], nproc, tmp_path, STOP_AFTER,
+                                elsewhere=([*args, *other_flags], other_nproc)):
         # Steps after the relaunch equal the uninterrupted run's: AdamW's moments were restored (chapter 06
         # measured that losing them shifts step 6 by 0.036).
-        assert_same_training(run, uninterrupted, first_step=STOP_AFTER + 1)
+        assert_same_training(run, uninterrupted, STEPS, first_step=STOP_AFTER + 1)
 
 
 def test_fresh_init_equals_single_process_init_and_keeps_a_tied_embedding_tied(tiny_dataset, tmp_path):

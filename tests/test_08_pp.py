@@ -6,11 +6,10 @@ fails with one line.
 
 Tolerances (fp32 on CPU): losses 1e-5, gradient norms 1e-4 relative, weights 1e-4 (measured: 1e-6 and 2e-6).
 """
-import shutil
 
 import pytest
 
-from conftest import INJECT, inject_env, load_weights, max_weight_diff, run_chapter
+from conftest import assert_same_training, load_weights, run_chapter, stop_then_resume
 
 BATCH = 8
 STEPS = 10
@@ -40,15 +39,6 @@ def launch(launch_once, common_args, models):
     return launch_layout
 
 
-def assert_same_training(ours, reference, first_step=1):
-    assert [m["step"] for m in ours.metrics] == [m["step"] for m in reference.metrics] == list(range(1, STEPS + 1))
-    for mine, theirs in list(zip(ours.metrics, reference.metrics))[first_step - 1 :]:
-        assert abs(mine["loss"] - theirs["loss"]) < 1e-5, (mine, theirs)
-        # NOTE: clipping is active: a norm that missed a stage, or counted a tied matrix twice, shows here.
-        assert abs(mine["grad_norm"] - theirs["grad_norm"]) < 1e-4 * theirs["grad_norm"], (mine, theirs)
-    assert max_weight_diff(ours.exp_dir / "hf", reference.exp_dir / "hf") < 1e-4
-
-
 @pytest.mark.parametrize("model,schedule,nproc", LAYOUTS, ids=[f"{m}-{s}-{n}ranks" for m, s, n in LAYOUTS])
 def test_pipeline_matches_single_process(launch, model, schedule, nproc):
     single_process = launch(model)
@@ -56,7 +46,7 @@ def test_pipeline_matches_single_process(launch, model, schedule, nproc):
     assert min(m["grad_norm"] for m in single_process.metrics) > 1.5
     ours = launch(model, schedule, nproc)
     assert f"rank {nproc - 1}: stages [" in ours.stdout
-    assert_same_training(ours, single_process)
+    assert_same_training(ours, single_process, STEPS)
 
 
 def test_a_tied_embedding_is_exported_once_as_the_head(launch):
@@ -70,20 +60,10 @@ def test_sigterm_then_relaunch_on_the_same_and_on_another_split_continues_the_un
 ):
     uninterrupted = launch("qwen3-tied", "1f1b", 2)
     args = [*common_args, "-m", models["qwen3-tied"], "--max-steps", STEPS, "-b", BATCH]
-    stopped = run_chapter("08", [*args, "--schedule", "1f1b"], tmp_path, nproc=2, script=INJECT,
-                          env=inject_env("08", "sigterm", after_step=STOP_AFTER), expect_ok=False)
-    assert stopped.returncode == 1, stopped.stderr[-3000:]
-    assert f"stopped by a signal after step {STOP_AFTER}; relaunch the same command to resume" in stopped.stderr
-    assert [p.name for p in (stopped.exp_dir / "checkpoints").iterdir()] == [f"step-{STOP_AFTER:08d}"]
-    shutil.copytree(stopped.exp_dir, tmp_path / "outputs" / "other-split")
-
     # The checkpoint names each weight as in the whole model, so 2 ranks x 2 stages (interleaved) read it too.
-    resumed = run_chapter("08", [*args, "--schedule", "1f1b"], tmp_path, nproc=2)
-    resumed_elsewhere = run_chapter("08", [*args, "--schedule", "interleaved-1f1b"], tmp_path, nproc=2,
-                                    experiment="other-split")
-    for run in (resumed, resumed_elsewhere):
-        assert f"at step {STOP_AFTER}" in run.stdout, run.stdout[-2000:]
-        assert_same_training(run, uninterrupted, first_step=STOP_AFTER + 1)
+    for run in stop_then_resume("08", [*args, "--schedule", "1f1b"], 2, tmp_path, STOP_AFTER,
+                                elsewhere=([*args, "--schedule", "interleaved-1f1b"], 2)):
+        assert_same_training(run, uninterrupted, STEPS, first_step=STOP_AFTER + 1)
 
 
 @pytest.mark.parametrize("flags,message", [

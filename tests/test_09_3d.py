@@ -6,11 +6,10 @@ ranks fail with one line.
 
 Tolerances (fp32 on CPU): losses 1e-5, gradient norms 1e-4 relative, weights 1e-4 (measured: 1e-6, 3e-6).
 """
-import shutil
 
 import pytest
 
-from conftest import INJECT, inject_env, load_weights, max_weight_diff, run_chapter
+from conftest import assert_same_training, load_weights, run_chapter, stop_then_resume
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -39,14 +38,6 @@ def launch(launch_once, common_args, four_layer_models):
     return launch_layout
 
 
-def assert_same_training(ours, reference, first_step=1):
-    assert [m["step"] for m in ours.metrics] == [m["step"] for m in reference.metrics] == list(range(1, STEPS + 1))
-    for mine, theirs in list(zip(ours.metrics, reference.metrics))[first_step - 1 :]:
-        assert abs(mine["loss"] - theirs["loss"]) < 1e-5, (mine, theirs)
-        assert abs(mine["grad_norm"] - theirs["grad_norm"]) < 1e-4 * theirs["grad_norm"], (mine, theirs)
-    assert max_weight_diff(ours.exp_dir / "hf", reference.exp_dir / "hf") < 1e-4
-
-
 @pytest.mark.parametrize("model,pp,dp,tp,schedule", LAYOUTS,
                          ids=[f"{m}-pp{pp}-dp{dp}-tp{tp}-{s}" for m, pp, dp, tp, s in LAYOUTS])
 def test_3d_matches_single_process_at_the_global_batch(launch, model, pp, dp, tp, schedule):
@@ -54,7 +45,7 @@ def test_3d_matches_single_process_at_the_global_batch(launch, model, pp, dp, tp
     assert single_process.losses[-1] < single_process.losses[0] - 0.5
     assert min(m["grad_norm"] for m in single_process.metrics) > 1.5
     ours = launch(model, (pp, dp, tp, schedule))
-    assert_same_training(ours, single_process)
+    assert_same_training(ours, single_process, STEPS)
     if model == "qwen3-tied":
         # HF writes a tied matrix once: a separate lm_head.weight would mean the two stages' copies were untied.
         assert "lm_head.weight" not in load_weights(ours.exp_dir / "hf")
@@ -67,21 +58,12 @@ def test_sigterm_then_relaunch_on_the_same_and_on_another_layout_continues_the_u
     uninterrupted = launch(layout[0], layout[1:])
     args = [*common_args, "-m", four_layer_models["qwen3-tied"], "--max-steps", STEPS]
     flags, nproc = on(*layout[1:])
-    stopped = run_chapter("09", [*args, *flags], tmp_path, nproc=nproc, script=INJECT,
-                          env=inject_env("09", "sigterm", after_step=STOP_AFTER), expect_ok=False)
-    assert stopped.returncode == 1, stopped.stderr[-3000:]
-    assert f"stopped by a signal after step {STOP_AFTER}; relaunch the same command to resume" in stopped.stderr
-    assert [p.name for p in (stopped.exp_dir / "checkpoints").iterdir()] == [f"step-{STOP_AFTER:08d}"]
-    shutil.copytree(stopped.exp_dir, tmp_path / "outputs" / "other-layout")
-
     # (pp 2, dp 1, tp 2) at -b 8: the same global batch, each stage's weights split by TP instead of FSDP. DCP
     # stores each piece under the whole model's name and offsets, so the checkpoint reshards on load.
-    resumed = run_chapter("09", [*args, *flags], tmp_path, nproc=nproc)
-    flags, nproc = on(2, 1, 2)
-    resumed_elsewhere = run_chapter("09", [*args, *flags], tmp_path, nproc=nproc, experiment="other-layout")
-    for run in (resumed, resumed_elsewhere):
-        assert f"at step {STOP_AFTER}" in run.stdout, run.stdout[-2000:]
-        assert_same_training(run, uninterrupted, first_step=STOP_AFTER + 1)
+    other_flags, other_nproc = on(2, 1, 2)
+    for run in stop_then_resume("09", [*args, *flags], nproc, tmp_path, STOP_AFTER,
+                                elsewhere=([*args, *other_flags], other_nproc)):
+        assert_same_training(run, uninterrupted, STEPS, first_step=STOP_AFTER + 1)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -4,7 +4,8 @@ a node that joins a running job (--nnodes=MIN:MAX); chapter 02's script resumes 
 tests/test_03_launchers.py::test_crashed_worker_is_restarted_from_the_checkpoint_within_the_job proves the
 restart under Slurm on two nodes (job.sbatch). Here: the one-machine command `torchrun --standalone
 --max-restarts=1`, compared bit for bit with an uninterrupted run; and a second node joining a one-node job.
-Events come from tests/related_elastic_inject.py, which runs the chapter's script unchanged.
+Events come from tests/inject.py, which runs the chapter's script unchanged (its faults fire in the first
+start of the workers only).
 """
 import json
 import os
@@ -14,13 +15,10 @@ import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
-
 import pytest
 
-from conftest import CHAPTERS, max_weight_diff, offline_env
+from conftest import INJECT, inject_env, max_weight_diff, offline_env
 
-INJECT = Path(__file__).with_name("related_elastic_inject.py")
 # NOTE: torchrun (torch >= 2.5) keeps its rendezvous store across a restart, with the crashed workers' keys
 # still in it, and the restarted workers fail to connect ("Connection refused"; pytorch/pytorch#135712).
 # With this, rank 0 hosts a fresh store for every start (as job.sbatch does).
@@ -28,12 +26,11 @@ FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def start_torchrun(launch_flags, args, tmp_path, env, experiment):
-    """torchrun <launch_flags> related_elastic_inject.py <chapter 02's flags>, in its own process group."""
+    """torchrun <launch_flags> tests/inject.py <chapter 02's flags>, in its own process group."""
     command = [sys.executable, "-m", "torch.distributed.run", *launch_flags, str(INJECT), *map(str, args),
                "--save-dir", str(tmp_path / "outputs"), "-e", experiment]
     return subprocess.Popen(
-        command, cwd=tmp_path, env={**offline_env(tmp_path), **FRESH_STORE, **env,
-                                    "ELASTIC_SCRIPT": str(CHAPTERS["02"] / "train_llm.py")},
+        command, cwd=tmp_path, env={**offline_env(tmp_path), **FRESH_STORE, **env},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
 
@@ -71,13 +68,13 @@ def test_a_killed_worker_is_restarted_and_the_job_ends_as_the_uninterrupted_run(
     """SIGKILL rank 1 after step 6, two steps after the checkpoint of step 4: torchrun stops rank 0, starts
     both again (attempt 1 of --max-restarts=1), they resume from step 4, and the job exits 0."""
     args = [*common_args, "-b", 32, "--num-epochs", 2, "--ckpt-freq", 4]
-    kill = {"ELASTIC_EVENT": "sigkill", "ELASTIC_RANK": "1", "ELASTIC_AFTER_STEP": "6"}
+    kill = inject_env("02", "sigkill", rank=1, after_step=6)
     launch = ["--standalone", "--nproc_per_node=2", "--max-restarts=1"]
     torchrun = start_torchrun(launch, args, tmp_path, kill, "killed")
     [(returncode, stdout, stderr)] = wait_all([torchrun])
 
     assert returncode == 0, stderr[-4000:]
-    assert "elastic: SIGKILL to rank 1 after step 6" in stderr
+    assert "inject: sigkill on rank 1 after step 6" in stderr
     # both ranks of the second start resumed from the newest checkpoint: steps 5 and 6 ran twice
     resumed = re.findall(r"rank (\d): resumed from \S+step-00000004 at step 4", stdout)
     assert sorted(resumed) == ["0", "1"], stdout
@@ -106,7 +103,7 @@ def test_a_node_that_joins_restarts_every_worker_from_a_checkpoint_at_twice_the_
               # NOTE: the first agent waits this long for more nodes once it has its minimum (default 30 s)
               "--rdzv-conf=last_call_timeout=1"]
     args = [*common_args, "-b", 4, "--max-steps", SCALE_STEPS]
-    env = {"ELASTIC_EVENT": "slow-alone", "ELASTIC_AFTER_STEP": "2"}
+    env = inject_env("02", "slow-alone", after_step=2)
     exp_dir = tmp_path / "outputs" / "scale-up"
     first = start_torchrun(launch, args, tmp_path, env, "scale-up")
     deadline = time.monotonic() + 120

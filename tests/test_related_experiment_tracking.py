@@ -9,13 +9,12 @@ import json
 import os
 import signal
 import socket
-import struct
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, offline_env
+from conftest import ROOT, offline_env, wandb_records
 
 SCRIPT = ROOT / "related-topics" / "experiment-tracking" / "train_wandb_modes.py"
 STEPS = 6
@@ -52,28 +51,6 @@ def launch(tmp_path, mode, steps, experiment, nnodes=1, nproc=2, timeout=180):
         pytest.fail(f"{mode} on {nnodes} x {nproc} hung for {timeout} s")
     assert [p.returncode for p in processes] == [0] * nnodes, "\n".join(o[-3000:] for o in outputs)
     return tmp_path / "outputs" / experiment
-
-
-def wandb_records(wandb_file):
-    """The protobuf records of an offline .wandb file: a LevelDB-style log of 32 KiB blocks (after a 7-byte
-    file header), each record a 7-byte header (CRC, length, type) and a protobuf Record, as
-    tests/test_01_single_gpu.py reads it."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = wandb_file.read_bytes()
-    position, pending = 7, b""
-    while position + 7 <= len(data):
-        if 32768 - position % 32768 < 7:  # a block's tail too short for a header is padding
-            position += 32768 - position % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[position : position + 7])
-        pending += data[position + 7 : position + 7 + length]
-        position += 7 + length
-        if kind in (1, 4):  # a whole record, or the last piece of one
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
 
 
 def logged_runs(exp_dir):

@@ -1,12 +1,13 @@
 """Train the same model with every chapter and plot the per-step losses on top of each other.
 
     pip install -r docs/requirements.txt
-    python docs/loss_parity.py            # about 3 minutes on a 2-core CPU; writes docs/loss-parity.png
+    python docs/loss_parity.py            # about 5 minutes on a 2-core CPU; writes docs/loss-parity.png
 
 Every chapter starts from the same saved weights (--from-pretrained), trains in fp32 on the built-in corpus
 with the same global batch of 8 sequences: one process at -b 8 (chapter 01), 2 ranks at -b 4 (DDP, FSDP), 2
-ranks at -b 8 (tensor parallelism, where both ranks see the whole batch). The upper panel shows the losses,
-the lower one each chapter's difference from chapter 01, which stays at rounding level (about 1e-6).
+ranks at -b 8 (tensor parallelism and pipeline stages, where both ranks see the whole batch), 4 ranks as 2 x 2
+(2D at -b 4, 3D as 2 stages of 2 TP ranks at -b 8). The upper panel shows the losses, the lower one each
+chapter's difference from chapter 01, which stays at rounding level (about 1e-6).
 """
 import argparse
 import json
@@ -23,12 +24,15 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# chapter folder: (processes, -b)
+# chapter folder: (processes, -b, more flags)
 CHAPTERS = {
-    "01-single-gpu": (None, 8),
-    "02-distributed-data-parallel": (2, 4),
-    "04-fully-sharded-data-parallel": (2, 4),
-    "06-tensor-parallel": (2, 8),
+    "01-single-gpu": (None, 8, []),
+    "02-distributed-data-parallel": (2, 4, []),
+    "04-fully-sharded-data-parallel": (2, 4, []),
+    "06-tensor-parallel": (2, 8, []),
+    "07-2d-parallel": (4, 4, ["--tp", "2"]),
+    "08-pipeline-parallel": (2, 8, []),
+    "09-3d-parallel": (4, 8, ["--pp", "2", "--tp", "2"]),
 }
 
 
@@ -60,13 +64,13 @@ def save_tiny_llama(folder):
 
 
 def train(chapter, model, work, steps):
-    nproc, batch_size = CHAPTERS[chapter]
+    nproc, batch_size, flags = CHAPTERS[chapter]
     launcher = [sys.executable] if nproc is None else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"
     ]
     command = [*launcher, str(ROOT / chapter / "train_llm.py"), "-m", str(model), "--from-pretrained",
                "--dtype", "float32", "-b", str(batch_size), "--max-steps", str(steps), "--log-freq", "1",
-               "--save-dir", str(work), "-e", chapter]
+               "--save-dir", str(work), "-e", chapter, *flags]
     print(" ".join(command[1:]), flush=True)
     subprocess.run(command, check=True, cwd=work, capture_output=True)
     lines = (work / chapter / "metrics.jsonl").read_text().splitlines()
@@ -75,7 +79,7 @@ def train(chapter, model, work, steps):
 
 def plot(losses, out):
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])
-    for (name, values), style in zip(losses.items(), ["-", "--", ":", "-."]):
+    for (name, values), style in zip(losses.items(), ["-", "--", ":", "-.", "--", ":", "-."]):
         steps = range(1, len(values) + 1)
         top.plot(steps, values, style, label=name, linewidth=1.5)
         bottom.plot(steps, [a - b for a, b in zip(values, losses["01-single-gpu"])], style, label=name)

@@ -15,6 +15,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 import zlib
 from contextlib import nullcontext
 
@@ -617,5 +618,33 @@ def first_line(error):
     return text.splitlines()[0]
 
 
+def report_exit(stop):
+    """The exit code of sys.exit(code or "message"). A message is printed, as the interpreter does, and
+    written where torchrun's failure summary shows it (instead of "To enable traceback see ...")."""
+    if not isinstance(stop.code, str):
+        return stop.code or 0
+    # One write with its newline: the lines of several ranks on one terminal then cannot interleave.
+    sys.stderr.write(stop.code + "\n")
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # The format of @record's error file, with the message where the traceback would be.
+        extra_info = {"py_callstack": stop.code, "timestamp": str(int(time.time()))}
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": stop.code, "extraInfo": extra_info}}, f)
+    return 1
+
+
 if __name__ == "__main__":
-    main()
+    # NOTE: every exit skips the interpreter's teardown (os._exit). From chapter 02 on, gloo's worker threads
+    # can outlive the process group, and torn down with the interpreter they hang or abort a finished process
+    # (pytorch/pytorch#56297, #190489). By now everything is written and closed.
+    try:
+        main()
+        exit_code = 0
+    except SystemExit as stop:
+        exit_code = report_exit(stop)
+    except Exception:
+        traceback.print_exc()
+        exit_code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

@@ -53,17 +53,14 @@ def main():
     stop_signals = []
     for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(stop_signal, lambda signum, frame: request_stop(stop_signals, signum))
-    # NOTE: from here on a signal never kills a rank mid-way. torchrun signals every rank once one has failed:
-    # the others then still reach their own exit, with their own error line.
-    # torchrun starts workers in sessions of their own. If it is killed (kill -9, the OOM killer), the kernel
-    # sends us SIGTERM (PR_SET_PDEATHSIG = 1), and we stop with a checkpoint instead of training on as orphans.
+    # torchrun starts workers in sessions of their own: if it is killed (kill -9, the OOM killer), the kernel
+    # sends us SIGTERM (PR_SET_PDEATHSIG = 1) and we stop with a checkpoint instead of training on as orphans.
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
     if "LOCAL_RANK" not in os.environ:
         sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
-    # torchrun sets these for each process it starts. LOCAL_RANK numbers the processes on this node, and it,
-    # not rank % device_count, picks the GPU: nodes may differ in how many processes they run.
+    # torchrun sets these for each process. LOCAL_RANK, not rank % device_count, picks this node's GPU.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -73,10 +70,9 @@ def main():
     # NOTE: a collective waits this long for a slow rank before it fails the job (NCCL: 10 minutes). At 405B
     # ranks meet again only after the load, and a rank whose files come from a busy shared filesystem can be
     # many minutes behind the others: see README.md.
-    dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None,
-        timeout=timedelta(minutes=args.timeout_minutes),
-    )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
+                            timeout=timedelta(minutes=args.timeout_minutes))
     mesh = make_device_mesh(device, world_size, args.replicate_degree)
     # Weights and optimizer state stay fp32 (the "master" copy); only the forward/backward math runs in --dtype.
     # Pure bf16 weights lose small updates: at lr 3e-5 most bf16 weights would never change.
@@ -92,8 +88,7 @@ def main():
     if rank == 0:
         print(f"model: {num_params / 1e6:.1f}M parameters, compute in {compute_dtype}")
 
-    # Rank 0 tokenizes first and fills the datasets cache, which the others then read instead of all racing to
-    # write it. If rank 0 fails, every rank exits with its message.
+    # Rank 0 fills the datasets cache first; the others then read it instead of racing to write it.
     loaded_on_rank_0 = []
     run_on_rank_0(lambda: loaded_on_rank_0.append(load_and_pack(args, tokenizer)))
     if rank != 0:
@@ -148,8 +143,7 @@ def main():
             resume="allow", dir=exp_dir, config=vars(args),
         )
 
-    # No autocast: FSDP's MixedPrecisionPolicy already hands every block its weights in --dtype (torchtitan does
-    # the same). Autocast on top would only add casts.
+    # No autocast: MixedPrecisionPolicy already hands each block its weights in --dtype (as torchtitan does).
     autocast = nullcontext()
     peak_flops = peak_flops_per_second(device)
     if rank == 0 and peak_flops is not None:
@@ -170,8 +164,7 @@ def main():
             order = epoch_order(len(data), args.seed, state["epoch"])
         batch_indices = order[state["samples_in_epoch"] : state["samples_in_epoch"] + global_batch_size]
         state["samples_in_epoch"] += global_batch_size
-        # Every rank computes the same global batch and takes its own slice: N ranks at -b b see exactly the
-        # samples that one process sees at -b N*b.
+        # Each rank takes its slice of the global batch: N ranks at -b b see what one process sees at -b N*b.
         local_indices = batch_indices[rank * args.batch_size : (rank + 1) * args.batch_size]
         batch = to_device(data[local_indices]["input_ids"], device)
         # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
@@ -195,9 +188,8 @@ def main():
         running_loss += loss.detach()
         steps_since_log += 1
         if state["step"] % args.log_freq == 0 or state["step"] == total_steps:
-            # NOTE: one all-reduce per log step sums every rank's losses (their mean is the global batch's) and
-            # stop flags: a signal may reach ranks at different steps, or one rank only, and all must stop after
-            # the same step. So a stop waits for the next log step, and no step waits for the GPU.
+            # NOTE: one all-reduce per log step sums the ranks' losses (their mean is the global batch's) and
+            # stop flags: a signal may reach one rank only, and all must stop after the same log step.
             totals = torch.stack([running_loss, torch.tensor(float(bool(stop_signals)), device=device)])
             dist.all_reduce(totals)
             loss_sum, stop_votes = totals.tolist()
@@ -231,6 +223,8 @@ def main():
             state["loss_window"] = [running_loss.item(), steps_since_log]
             # Each rank holds different shards, so every rank writes its own part of the checkpoint.
             save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
+            # The others wait for rank 0's save: once any rank exits, torchrun stops the whole job.
+            dist.barrier()
         if stop:
             break
 
@@ -332,9 +326,8 @@ def default_compute_dtype(device):
 
 
 def make_device_mesh(device, world_size, replicate_degree):
-    """The ranks as a grid. FSDP shards every weight over the "shard" dimension. HSDP (--replicate-degree R)
-    keeps R copies of the model, each sharded over WORLD_SIZE / R ranks (one node, say), so the all-gathers
-    stay inside a node and only gradients cross nodes (all-reduced between the copies)."""
+    """The ranks as a grid; FSDP shards every weight over "shard". HSDP (--replicate-degree R) keeps R copies,
+    each sharded over WORLD_SIZE / R ranks (a node): all-gathers stay in a node, only gradients cross nodes."""
     if world_size % replicate_degree:
         sys.exit(
             f"error: --replicate-degree {replicate_degree} does not divide the {world_size} ranks; "
@@ -435,8 +428,7 @@ def build_model(args, config, device, mesh, compute_dtype):
         for block in transformer_blocks(model):
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     shard_model(model, mesh, compute_dtype, args.cpu_offload, device, args.explicit_prefetch)
-    # to_empty gives each rank uninitialised storage for its shards (and for the buffers). With --cpu-offload
-    # the shards live in CPU memory; FSDP copies each block to the GPU when it runs.
+    # to_empty gives each rank uninitialised storage for its shards and buffers (in CPU memory with --cpu-offload).
     model.to_empty(device="cpu" if args.cpu_offload else device)
     initialize_weights(model, mesh, args.seed)
     if args.from_pretrained:
@@ -445,9 +437,8 @@ def build_model(args, config, device, mesh, compute_dtype):
 
 
 def shard_model(model, mesh, compute_dtype, cpu_offload, device, explicit_prefetch):
-    """fully_shard each transformer block, the embedding and the output head, then the root. Each call makes
-    one group whose weights are all-gathered just before it runs and freed just after, and whose gradients
-    are reduce-scattered as soon as they are complete."""
+    """fully_shard each transformer block, the embedding and the output head, then the root: one group per call,
+    all-gathered just before it runs, freed just after, its gradients reduce-scattered as soon as complete."""
     # The fp32 shards are the master weights. param_dtype=bf16 casts them before the all-gather (half the bytes
     # to send, compute in bf16); reduce_dtype=fp32 sums gradients in fp32 so small ones are not lost.
     fsdp_options = dict(
@@ -466,10 +457,9 @@ def shard_model(model, mesh, compute_dtype, cpu_offload, device, explicit_prefet
         for block, next_block in zip(blocks, blocks[1:]):
             block.set_modules_to_forward_prefetch([next_block])
             next_block.set_modules_to_backward_prefetch([block])
-    # The embedding and the output head are vocab x hidden each (0.5B parameters apiece in Llama 3 8B): as
-    # groups of their own they are freed after use, not held for the whole step by the root. The head is
-    # needed again right away by backward, so it stays gathered after forward. A tied pair is one weight,
-    # which must stay in one group: the root's.
+    # The embedding and the head (0.5B parameters apiece in Llama 3 8B) as groups of their own are freed after
+    # use, not held all step by the root. Backward needs the head again at once: it stays gathered after forward.
+    # A tied pair is one weight, which must stay in one group: the root's.
     if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
         fully_shard(model.get_input_embeddings(), **fsdp_options)
         fully_shard(model.get_output_embeddings(), **fsdp_options, reshard_after_forward=False)
@@ -493,20 +483,18 @@ def transformer_blocks(model):
 def initialize_weights(model, mesh, seed):
     """Fill this rank's shards as from_config fills a whole model: Hugging Face's init (the distributions of
     chapter 01, e.g. normal(0, 0.02) weights and ones in the norms), and the buffers that no checkpoint holds."""
-    # NOTE: RoPE's inv_freq is a non-persistent buffer: it is in no state dict, so loading weights never
-    # restores it, and after to_empty it holds garbage. Training would run without error, but wrong.
-    # HF's init recomputes it from the config.
-    # On CUDA, DTensor draws each shard from its own offset of one random stream shared by all ranks. On CPU
-    # each rank draws from its own generator: seeding it by shard index makes shards differ (not copies of each
-    # other) and HSDP replicas agree.
+    # NOTE: RoPE's inv_freq is a non-persistent buffer: in no state dict, and garbage after to_empty. Training
+    # would run without error, but wrong. HF's init recomputes it from the config.
+    # On CPU each rank draws from its own generator (on CUDA, DTensor offsets one shared stream): seeding it by
+    # shard index makes the shards differ and HSDP replicas agree.
     torch.default_generator.manual_seed(seed + mesh.get_local_rank("shard"))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         model.initialize_weights()
     # Back to one random stream on every rank, as in chapter 02, so rank 0's saved RNG state is every rank's.
     torch.manual_seed(seed)
-    # HF zeroes the padding token's embedding row through weight[padding_idx], which on a sharded weight edits
-    # a temporary copy. Zero it in the shard that holds it (fully_shard splits dim 0 like torch.chunk).
+    # HF zeroes the padding row through weight[padding_idx], a temporary copy of a sharded weight: zero it in
+    # the shard that holds it (fully_shard splits dim 0 like torch.chunk).
     for module in model.modules():
         if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
             local_rows = module.weight.to_local()
@@ -778,33 +766,30 @@ def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
     partial_dir = final_dir + ".partial"
     if os.path.exists(final_dir):
         return
-    rank = dist.get_rank()
-    if rank == 0:
+    if dist.get_rank() == 0:
         shutil.rmtree(partial_dir, ignore_errors=True)
         os.makedirs(partial_dir)
     dist.barrier()
-    # get_state_dict names each shard by its parameter's full name and offsets, so a checkpoint written by N
-    # ranks loads into any number of ranks. dcp.save writes one file per rank, then rank 0 writes the index
-    # (.metadata) once every rank's file is complete. Checkpoints need a folder all nodes share.
+    # get_state_dict names shards by parameter name and offsets: a checkpoint of N ranks loads into any number.
+    # dcp.save writes a file per rank, then rank 0 the index (.metadata); every node must see the folder.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial_dir)
-    if rank == 0:
-        torch.save(
-            {
-                "lr_schedule": lr_schedule.state_dict(),
-                # The data order has its own generator; these cover anything random in the model (dropout).
-                "rng": rng_state(),
-            },
-            os.path.join(partial_dir, "checkpoint.pt"),
-        )
-        with open(os.path.join(partial_dir, "state.json"), "w") as f:
-            json.dump({**state, "param_shapes": param_shapes}, f)
-        write_manifest(partial_dir)
-        # The rename is atomic: a crash before it leaves the previous checkpoint as the newest complete one.
-        os.rename(partial_dir, final_dir)
-        remove_old_checkpoints(checkpoints_dir)
-    # No rank goes on (or looks for this checkpoint again) before it is complete.
-    dist.barrier()
+    if dist.get_rank() != 0:
+        return
+    torch.save(
+        {
+            "lr_schedule": lr_schedule.state_dict(),
+            # The data order has its own generator; these cover anything random in the model (dropout).
+            "rng": rng_state(),
+        },
+        os.path.join(partial_dir, "checkpoint.pt"),
+    )
+    with open(os.path.join(partial_dir, "state.json"), "w") as f:
+        json.dump({**state, "param_shapes": param_shapes}, f)
+    write_manifest(partial_dir)
+    # The rename is atomic: a crash before it leaves the previous checkpoint as the newest complete one.
+    os.rename(partial_dir, final_dir)
+    remove_old_checkpoints(checkpoints_dir)
 
 
 def remove_old_checkpoints(checkpoints_dir, keep=2):
@@ -827,9 +812,8 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes)
             "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
         )
     checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
-    # dcp.load fills these tensors in place, each rank reading only its own shards. The optimizer goes through
-    # get_state_dict/set_state_dict: a fresh optimizer has no state tensors to fill, and loading into
-    # optimizer.state_dict() would silently restore nothing.
+    # dcp.load fills these tensors in place, each rank reading its own shards. The optimizer's state goes through
+    # get_state_dict/set_state_dict: optimizer.state_dict() of a fresh optimizer has no tensors to fill.
     model_state, optimizer_state = get_state_dict(model, optimizer)
     sharded_state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(sharded_state, checkpoint_id=checkpoint_dir)
@@ -861,18 +845,18 @@ def describe_mismatch(saved_shapes, param_shapes):
 
 def export_hf(hf_dir, model, tokenizer):
     """Write the trained model in Hugging Face format: AutoModelForCausalLM.from_pretrained(hf_dir) loads it."""
-    # The full weights are gathered one tensor at a time into rank 0's CPU memory; the other ranks keep nothing.
-    # Rank 0 holds the full model (4 bytes per parameter) only until it is written.
+    # Rank 0 gathers the full weights into CPU memory one tensor at a time and holds them until they are written.
     full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() == 0:
-        # A tied matrix (one parameter under two names) comes back as two copies. Pointing both names at one
-        # copy lets HF see the tie and save the matrix once, as chapter 01 does.
-        first_copy = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            full_state[name] = first_copy.setdefault(param, full_state[name])
-        model.save_pretrained(hf_dir, state_dict=full_state)
-        tokenizer.save_pretrained(hf_dir)
-        print(f"saved the trained model to {hf_dir}")
+    if dist.get_rank() != 0:
+        return
+    # A tied matrix (one parameter under two names) comes back as two copies. Pointing both names at one
+    # copy lets HF see the tie and save the matrix once, as chapter 01 does.
+    first_copy = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        full_state[name] = first_copy.setdefault(param, full_state[name])
+    model.save_pretrained(hf_dir, state_dict=full_state)
+    tokenizer.save_pretrained(hf_dir)
+    print(f"saved the trained model to {hf_dir}")
 
 
 def first_line(error):
@@ -896,8 +880,8 @@ def report_exit(stop):
 
 
 if __name__ == "__main__":
-    # NOTE: every exit skips the interpreter's teardown (os._exit): gloo's worker threads can outlive the
-    # process group, and torn down with the interpreter they can hang or abort a finished process
+    # NOTE: every exit skips the interpreter's teardown (os._exit). From chapter 02 on, gloo's worker threads
+    # can outlive the process group, and torn down with the interpreter they hang or abort a finished process
     # (pytorch/pytorch#56297, #190489). By now everything is written and closed.
     try:
         main()

@@ -57,26 +57,22 @@ def main():
     stop_signals = []
     for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(stop_signal, lambda signum, frame: request_stop(stop_signals, signum))
-    # NOTE: from here on a signal never kills a rank mid-way. torchrun signals every rank once one has failed:
-    # the others then still reach their own exit, with their own error line.
-    # torchrun starts workers in sessions of their own. If it is killed (kill -9, the OOM killer), the kernel
-    # sends us SIGTERM (PR_SET_PDEATHSIG = 1), and we stop with a checkpoint instead of training on as orphans.
+    # torchrun starts workers in sessions of their own: if it is killed (kill -9, the OOM killer), the kernel
+    # sends us SIGTERM (PR_SET_PDEATHSIG = 1) and we stop with a checkpoint instead of training on as orphans.
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
     if "LOCAL_RANK" not in os.environ:
         sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
-    # torchrun sets these for each process it starts. LOCAL_RANK numbers the processes on this node, and it,
-    # not rank % device_count, picks the GPU: nodes may differ in how many processes they run.
+    # torchrun sets these for each process. LOCAL_RANK, not rank % device_count, picks this node's GPU.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # nccl moves CUDA tensors between GPUs; gloo moves CPU tensors. device_id binds nccl to our GPU at once.
-    dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
-    )
+    # nccl moves CUDA tensors between GPUs, gloo CPU tensors; device_id binds nccl to our GPU at once.
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     # Weights and optimizer state stay fp32 (the "master" copy); only the forward/backward math runs in --dtype.
     # Pure bf16 weights lose small updates: at lr 3e-5 most bf16 weights would never change.
     compute_dtype = getattr(torch, args.dtype or default_compute_dtype(device))
@@ -126,8 +122,7 @@ def main():
     stage_params = sum(p.numel() for stage in stages for p in stage.parameters())
     print(f"rank {rank}: stages {stage_indices}, {stage_params / 1e6:.1f}M parameters")
 
-    # Rank 0 tokenizes first and fills the datasets cache, which the others then read instead of all racing to
-    # write it. If rank 0 fails, every rank exits with its message.
+    # Rank 0 fills the datasets cache first; the others then read it instead of racing to write it.
     loaded_on_rank_0 = []
     run_on_rank_0(lambda: loaded_on_rank_0.append(load_and_pack(args, tokenizer)))
     if rank != 0:
@@ -265,9 +260,8 @@ def main():
         running_loss += loss.detach().to_local() if isinstance(loss, DTensor) else loss
         steps_since_log += 1
         if state["step"] % args.log_freq == 0 or state["step"] == total_steps:
-            # NOTE: one all-reduce per log step sums every rank's losses (only the last stage's dp x tp ranks
-            # have any) and stop flags: a signal may reach ranks at different steps, or one rank only, and all must
-            # stop after the same step. So a stop waits for the next log step, and no step waits for the GPU.
+            # NOTE: one all-reduce per log step sums the ranks' losses (only the last stage's dp x tp ranks have
+            # any) and stop flags: a signal may reach one rank only, and all must stop after the same log step.
             totals = torch.stack([running_loss, torch.tensor(float(bool(stop_signals)), device=device)])
             dist.all_reduce(totals)
             loss_sum, stop_votes = totals.tolist()
@@ -302,6 +296,8 @@ def main():
             state["loss_window"] = [window_loss.item() / (dp_size * args.tp), steps_since_log]
             # Each rank holds different slices, so every rank writes its own part of the checkpoint.
             save_checkpoint(exp_dir, state, param_shapes, stages, optimizer, lr_schedule)
+            # The others wait for rank 0's save: once any rank exits, torchrun stops the whole job.
+            dist.barrier()
         if stop:
             break
 
@@ -923,34 +919,30 @@ def save_checkpoint(exp_dir, state, param_shapes, stages, optimizer, lr_schedule
     partial_dir = final_dir + ".partial"
     if os.path.exists(final_dir):
         return
-    rank = dist.get_rank()
-    if rank == 0:
+    if dist.get_rank() == 0:
         shutil.rmtree(partial_dir, ignore_errors=True)
         os.makedirs(partial_dir)
     dist.barrier()
-    # get_state_dict names each shard by its parameter's full name and offsets, and stages_state_dict keeps the
-    # whole model's names, so a checkpoint written by one layout loads into any other. dcp.save writes one file
-    # per rank, then rank 0 writes the index (.metadata) once every rank's file is complete. Checkpoints need a
-    # folder all nodes share.
+    # Shards are named by offsets and the whole model's parameter names: one layout's checkpoint loads into any.
+    # dcp.save writes a file per rank, then rank 0 the index (.metadata); every node must see the folder.
     model_state, optimizer_state, _ = stages_state_dict(stages, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial_dir)
-    if rank == 0:
-        torch.save(
-            {
-                "lr_schedule": lr_schedule.state_dict(),
-                # The data order has its own generator; these cover anything random in the model (dropout).
-                "rng": rng_state(),
-            },
-            os.path.join(partial_dir, "checkpoint.pt"),
-        )
-        with open(os.path.join(partial_dir, "state.json"), "w") as f:
-            json.dump({**state, "param_shapes": param_shapes}, f)
-        write_manifest(partial_dir)
-        # The rename is atomic: a crash before it leaves the previous checkpoint as the newest complete one.
-        os.rename(partial_dir, final_dir)
-        remove_old_checkpoints(checkpoints_dir)
-    # No rank goes on (or looks for this checkpoint again) before it is complete.
-    dist.barrier()
+    if dist.get_rank() != 0:
+        return
+    torch.save(
+        {
+            "lr_schedule": lr_schedule.state_dict(),
+            # The data order has its own generator; these cover anything random in the model (dropout).
+            "rng": rng_state(),
+        },
+        os.path.join(partial_dir, "checkpoint.pt"),
+    )
+    with open(os.path.join(partial_dir, "state.json"), "w") as f:
+        json.dump({**state, "param_shapes": param_shapes}, f)
+    write_manifest(partial_dir)
+    # The rename is atomic: a crash before it leaves the previous checkpoint as the newest complete one.
+    os.rename(partial_dir, final_dir)
+    remove_old_checkpoints(checkpoints_dir)
 
 
 def remove_old_checkpoints(checkpoints_dir, keep=2):
@@ -973,9 +965,8 @@ def load_checkpoint(checkpoint_dir, stages, optimizer, lr_schedule, param_shapes
             "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
         )
     checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
-    # dcp.load fills these tensors in place, each rank reading only its own shards. The optimizer goes through
-    # get_state_dict/set_state_dict: a fresh optimizer has no state tensors to fill, and loading into
-    # optimizer.state_dict() would silently restore nothing.
+    # dcp.load fills these tensors in place, each rank reading its own shards. The optimizer's state goes through
+    # get_state_dict/set_state_dict: optimizer.state_dict() of a fresh optimizer has no tensors to fill.
     model_state, optimizer_state, stage_names = stages_state_dict(stages, optimizer)
     sharded_state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(sharded_state, checkpoint_id=checkpoint_dir)
@@ -1032,19 +1023,20 @@ def export_hf(hf_dir, stages, config, tokenizer, mesh):
         return
     all_weights = [None] * mesh["pp"].size() if dist.get_rank() == 0 else None
     dist.gather_object(local_weights, all_weights, dst=0, group=mesh["pp"].get_group())
-    if dist.get_rank() == 0:
-        full_state = {name: weight for weights in all_weights for name, weight in weights.items()}
-        # A skeleton of the whole model (on the meta device: no memory) names the weights and knows the tie. A
-        # tied matrix arrives twice (the first and the last stage's copies, equal); one copy under both names
-        # lets HF see the tie and save it once, as chapter 01 does.
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        first_copy = {}
-        for name, param in model.named_parameters(remove_duplicate=False):
-            full_state[name] = first_copy.setdefault(param, full_state[name])
-        model.save_pretrained(hf_dir, state_dict=full_state)
-        tokenizer.save_pretrained(hf_dir)
-        print(f"saved the trained model to {hf_dir}")
+    if dist.get_rank() != 0:
+        return
+    full_state = {name: weight for weights in all_weights for name, weight in weights.items()}
+    # A skeleton of the whole model (on the meta device: no memory) names the weights and knows the tie. A
+    # tied matrix arrives twice (the first and the last stage's copies, equal); one copy under both names
+    # lets HF see the tie and save it once, as chapter 01 does.
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    first_copy = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        full_state[name] = first_copy.setdefault(param, full_state[name])
+    model.save_pretrained(hf_dir, state_dict=full_state)
+    tokenizer.save_pretrained(hf_dir)
+    print(f"saved the trained model to {hf_dir}")
 
 
 def first_line(error):
@@ -1068,8 +1060,8 @@ def report_exit(stop):
 
 
 if __name__ == "__main__":
-    # NOTE: every exit skips the interpreter's teardown (os._exit): gloo's worker threads can outlive the
-    # process group, and torn down with the interpreter they can hang or abort a finished process
+    # NOTE: every exit skips the interpreter's teardown (os._exit). From chapter 02 on, gloo's worker threads
+    # can outlive the process group, and torn down with the interpreter they hang or abort a finished process
     # (pytorch/pytorch#56297, #190489). By now everything is written and closed.
     try:
         main()

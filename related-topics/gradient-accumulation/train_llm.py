@@ -42,26 +42,22 @@ def main():
     stop_signals = []
     for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(stop_signal, lambda signum, frame: request_stop(stop_signals, signum))
-    # NOTE: from here on a signal never kills a rank mid-way. torchrun signals every rank once one has failed:
-    # the others then still reach their own exit, with their own error line.
-    # torchrun starts workers in sessions of their own. If it is killed (kill -9, the OOM killer), the kernel
-    # sends us SIGTERM (PR_SET_PDEATHSIG = 1), and we stop with a checkpoint instead of training on as orphans.
+    # torchrun starts workers in sessions of their own: if it is killed (kill -9, the OOM killer), the kernel
+    # sends us SIGTERM (PR_SET_PDEATHSIG = 1) and we stop with a checkpoint instead of training on as orphans.
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 
     if "LOCAL_RANK" not in os.environ:
         sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
-    # torchrun sets these for each process it starts. LOCAL_RANK numbers the processes on this node, and it,
-    # not rank % device_count, picks the GPU: nodes may differ in how many processes they run.
+    # torchrun sets these for each process. LOCAL_RANK, not rank % device_count, picks this node's GPU.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    # nccl moves CUDA tensors between GPUs; gloo moves CPU tensors. device_id binds nccl to our GPU at once.
-    dist.init_process_group(
-        backend="nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None
-    )
+    # nccl moves CUDA tensors between GPUs, gloo CPU tensors; device_id binds nccl to our GPU at once.
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     # Weights and optimizer state stay fp32 (the "master" copy); only the forward/backward math runs in --dtype.
     # Pure bf16 weights lose small updates: at lr 3e-5 most bf16 weights would never change.
     compute_dtype = getattr(torch, args.dtype or default_compute_dtype(device))
@@ -76,8 +72,7 @@ def main():
     if rank == 0:
         print(f"model: {num_params / 1e6:.1f}M parameters, compute in {compute_dtype}")
 
-    # Rank 0 tokenizes first and fills the datasets cache, which the others then read instead of all racing to
-    # write it. If rank 0 fails, every rank exits with its message.
+    # Rank 0 fills the datasets cache first; the others then read it instead of racing to write it.
     loaded_on_rank_0 = []
     run_on_rank_0(lambda: loaded_on_rank_0.append(load_and_pack(args, tokenizer)))
     if rank != 0:
@@ -121,13 +116,10 @@ def main():
     if rank == 0:
         truncate_metrics(metrics_path, after_step=state["step"])
 
-    # DDP broadcasts rank 0's weights to every rank, then all-reduces gradients in buckets while backward still
-    # runs. gradient_as_bucket_view makes the gradients views into those buckets instead of a second copy.
-    model = DistributedDataParallel(
-        model, device_ids=[local_rank] if device.type == "cuda" else None, gradient_as_bucket_view=True
-    )
-    # Compile AFTER wrapping: torch.compile then splits the graph at DDP's bucket boundaries (DDPOptimizer), so
-    # gradient all-reduces still overlap with backward.
+    # DDP broadcasts rank 0's weights, then all-reduces gradients in buckets while backward still runs;
+    # gradient_as_bucket_view makes the gradients views into those buckets instead of a second copy.
+    model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+    # Compile after wrapping: the graph then breaks at DDP's buckets (DDPOptimizer), keeping the overlap.
     if args.compile:
         model.compile()
     if args.wandb and rank == 0:
@@ -159,8 +151,8 @@ def main():
             order = epoch_order(len(data), args.seed, state["epoch"])
         batch_indices = order[state["samples_in_epoch"] : state["samples_in_epoch"] + global_batch_size]
         state["samples_in_epoch"] += global_batch_size
-        # Every rank computes the same global batch and takes its own slice: N ranks at -b b see exactly the
-        # samples that one process sees at -b N*b. The slice is K micro-batches: chapter 02's rows at -b K*b.
+        # Each rank takes its slice of the global batch: N ranks at -b b see what one process sees at -b N*b.
+        # The slice is K micro-batches: chapter 02's rows at -b K*b.
         rows_per_rank = args.batch_size * args.grad_accum_steps
         local_indices = batch_indices[rank * rows_per_rank : (rank + 1) * rows_per_rank]
         batch = to_device(data[local_indices]["input_ids"], device)
@@ -201,9 +193,8 @@ def main():
         running_loss += loss.detach()
         steps_since_log += 1
         if state["step"] % args.log_freq == 0 or state["step"] == total_steps:
-            # NOTE: one all-reduce per log step sums every rank's losses (their mean is the global batch's) and
-            # stop flags: a signal may reach ranks at different steps, or one rank only, and all must stop after
-            # the same step. So a stop waits for the next log step, and no step waits for the GPU.
+            # NOTE: one all-reduce per log step sums the ranks' losses (their mean is the global batch's) and
+            # stop flags: a signal may reach one rank only, and all must stop after the same log step.
             totals = torch.stack([running_loss, torch.tensor(float(bool(stop_signals)), device=device)])
             dist.all_reduce(totals)
             loss_sum, stop_votes = totals.tolist()
@@ -235,8 +226,7 @@ def main():
             # The window's losses are this rank's; the checkpoint keeps their mean over ranks.
             dist.all_reduce(running_loss, op=dist.ReduceOp.AVG)
             state["loss_window"] = [running_loss.item(), steps_since_log]
-            # Weights and optimizer state are the same on every rank, so rank 0 alone writes them. So is the
-            # RNG state: every rank ran the same random operations from the same seed.
+            # Weights, optimizer and RNG state are the same on every rank, so rank 0 alone writes them.
             if rank == 0:
                 save_checkpoint(exp_dir, state, param_shapes, model.module, optimizer, lr_schedule)
         if stop:
@@ -249,8 +239,8 @@ def main():
         export_hf(os.path.join(exp_dir, "hf"), model.module, tokenizer)
     if args.wandb and rank == 0:
         wandb.finish()
-    # NOTE: free DDP before the process group: freed later, its gloo state is destroyed while a communication
-    # thread waits for the GIL, and the process hangs. --compile keeps it in a cycle that only gc frees.
+    # NOTE: free the model before the process group: freed later, its gloo state is destroyed while a
+    # communication thread waits for the GIL, and the process hangs. --compile keeps a cycle only gc frees.
     del model
     gc.collect()
     dist.destroy_process_group()
@@ -734,8 +724,8 @@ def report_exit(stop):
 
 
 if __name__ == "__main__":
-    # NOTE: every exit skips the interpreter's teardown (os._exit): gloo's worker threads can outlive the
-    # process group, and torn down with the interpreter they can hang or abort a finished process
+    # NOTE: every exit skips the interpreter's teardown (os._exit). From chapter 02 on, gloo's worker threads
+    # can outlive the process group, and torn down with the interpreter they hang or abort a finished process
     # (pytorch/pytorch#56297, #190489). By now everything is written and closed.
     try:
         main()

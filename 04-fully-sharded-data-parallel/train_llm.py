@@ -404,7 +404,10 @@ def build_model(args, config, device, mesh, compute_dtype):
                 config, dtype=torch.float32, attn_implementation=args.attn_implementation
             )
     except (ImportError, ValueError, OSError) as error:
-        sys.exit(f"error: cannot build model {args.model_name or 'tiny-llama'!r}: {first_line(error)}")
+        sys.exit(
+            f"error: cannot build model {args.model_name or 'tiny-llama'!r} ({first_line(error)}); pass a model "
+            "whose files are there (its weights, with --from-pretrained) and an --attn-implementation it supports"
+        )
     shard_model(model, mesh, compute_dtype, args.cpu_offload, device)
     # to_empty gives each rank uninitialised storage for its shards and buffers (in CPU memory with --cpu-offload).
     model.to_empty(device="cpu" if args.cpu_offload else device)
@@ -477,13 +480,19 @@ def initialize_weights(model, mesh, seed):
 def load_pretrained_weights(model, model_name):
     """Rank 0 reads the checkpoint into CPU memory; the others get their shards from it, tensor by tensor."""
     full_state_dict = {}
-    if dist.get_rank() == 0:
+
+    def read_on_rank_0():
         try:
-            full_state_dict = transformers.AutoModelForCausalLM.from_pretrained(
-                model_name, dtype=torch.float32
-            ).state_dict()
+            pretrained = transformers.AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
         except (ImportError, ValueError, OSError) as error:
-            sys.exit(f"error: cannot load the weights of {model_name!r}: {first_line(error)}")
+            sys.exit(
+                f"error: cannot load the weights of {model_name!r} ({first_line(error)}); pass a model whose "
+                "weights are there, or leave out --from-pretrained"
+            )
+        full_state_dict.update(pretrained.state_dict())
+
+    # run_on_rank_0: if rank 0 cannot read them, every rank exits with its line, not in the broadcast below.
+    run_on_rank_0(read_on_rank_0)
     # Rank 0 holds one full fp32 copy (4 bytes per parameter) in CPU memory until this returns.
     set_model_state_dict(
         model, full_state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

@@ -419,7 +419,10 @@ def build_model(args, config, device, mesh, compute_dtype):
                 config, dtype=torch.float32, attn_implementation=args.attn_implementation
             )
     except (ImportError, ValueError, OSError) as error:
-        sys.exit(f"error: cannot build model {args.model_name or 'tiny-llama'!r}: {first_line(error)}")
+        sys.exit(
+            f"error: cannot build model {args.model_name or 'tiny-llama'!r} ({first_line(error)}); pass a model "
+            "whose files are there (its weights, with --from-pretrained) and an --attn-implementation it supports"
+        )
     if args.activation_checkpointing:
         # Full checkpointing of every block: backward reruns the block's forward from its saved input. Each
         # block then keeps one hidden_size vector per token instead of dozens (see README.md for why not

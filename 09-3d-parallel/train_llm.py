@@ -540,7 +540,10 @@ def build_model(args, config, device):
                     config, dtype=torch.float32, attn_implementation=args.attn_implementation
                 )
     except (ImportError, ValueError, OSError) as error:
-        sys.exit(f"error: cannot build model {args.model_name or 'tiny-llama'!r}: {first_line(error)}")
+        sys.exit(
+            f"error: cannot build model {args.model_name or 'tiny-llama'!r} ({first_line(error)}); pass a model "
+            "whose files are there (its weights, with --from-pretrained) and an --attn-implementation it supports"
+        )
     return model
 
 

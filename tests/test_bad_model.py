@@ -1,0 +1,38 @@
+"""A model that cannot be built or loaded stops every chapter the same way: one line on every rank that names
+the model and the fix, a non-zero exit within seconds, no traceback from the script and no gloo error from a
+rank left waiting in a collective."""
+import re
+import shutil
+import time
+
+import pytest
+
+from conftest import run_chapter
+
+# chapter: processes (None: plain python)
+CHAPTER_PROCESSES = {"01": None, "02": 2, "04": 2, "05": 2, "06": 2, "07": 2, "08": 2, "09": 2}
+
+
+@pytest.fixture(scope="module")
+def model_without_weights(tiny_model, tmp_path_factory):
+    """A model folder with its config and tokenizer but no weights file: --from-pretrained cannot load it."""
+    folder = tmp_path_factory.mktemp("no-weights")
+    for path in tiny_model.iterdir():
+        if not path.name.endswith((".safetensors", ".bin")):
+            shutil.copy(path, folder / path.name)
+    return folder
+
+
+@pytest.mark.parametrize("chapter", CHAPTER_PROCESSES)
+def test_missing_pretrained_weights_give_every_rank_one_line(chapter, model_without_weights, tmp_path):
+    nproc = CHAPTER_PROCESSES[chapter]
+    started = time.monotonic()
+    run = run_chapter(chapter, ["-m", model_without_weights, "--from-pretrained", "--max-steps", 2], tmp_path,
+                      nproc=nproc, expect_ok=False, timeout=120)
+    assert run.returncode != 0 and time.monotonic() - started < 60
+    lines = re.findall(rf"error: [^\n]*{re.escape(repr(str(model_without_weights)))}[^\n]*", run.worker_stderr)
+    assert len(lines) == (nproc or 1) and len(set(lines)) == 1, run.stderr[-3000:]
+    # The line says what to do, not only what went wrong.
+    assert re.search(r"; (pass|download|leave)", lines[0]) or "fetches them" in lines[0], lines[0]
+    assert 'train_llm.py", line' not in run.stderr and "gloo" not in run.stderr, run.stderr[-3000:]
+    assert not (tmp_path / "outputs" / "test" / "checkpoints").exists()

@@ -804,6 +804,11 @@ def remove_old_checkpoints(checkpoints_dir, keep=2):
         shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
 
 
+# How this script's checkpoints hold the weights: one torch.save file (chapters 01 and 02) or sharded
+# with DCP, one file per rank (chapters 04-09).
+CHECKPOINT_FORMAT = "sharded (DCP)"
+
+
 def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes):
     with open(os.path.join(checkpoint_dir, "state.json")) as f:
         state = json.load(f)
@@ -813,6 +818,13 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes)
             f"error: checkpoint {checkpoint_dir} holds a different model "
             f"({describe_mismatch(saved_shapes, param_shapes)}); "
             "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
+        )
+    # DCP writes a .metadata index; the one-file format has none.
+    written_as = "sharded (DCP)" if os.path.exists(os.path.join(checkpoint_dir, ".metadata")) else "one file"
+    if written_as != CHECKPOINT_FORMAT:
+        sys.exit(
+            f"error: checkpoint {checkpoint_dir} is {written_as}, this script's are {CHECKPOINT_FORMAT}; resume "
+            "it with the script that wrote it, or pass a new -e/--experiment-name to start fresh"
         )
     checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
     # dcp.load fills these tensors in place, each rank reading its own shards. The optimizer's state goes through

@@ -36,3 +36,18 @@ def test_missing_pretrained_weights_give_every_rank_one_line(chapter, model_with
     assert re.search(r"; (pass|download|leave)", lines[0]) or "fetches them" in lines[0], lines[0]
     assert 'train_llm.py", line' not in run.stderr and "gloo" not in run.stderr, run.stderr[-3000:]
     assert not (tmp_path / "outputs" / "test" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("writer,reader", [("02", "04"), ("04", "02")], ids=["one-file-into-dcp", "dcp-into-one-file"])
+def test_another_chapters_checkpoint_format_gives_one_line_and_stays_untouched(writer, reader, tiny_model, tmp_path):
+    """The same -e resumed by a script that writes the other format: chapters 01-02 write one file, 04-09 DCP."""
+    args = ["-m", tiny_model, "-s", 32, "--max-steps", 2, "--ckpt-freq", 2, "--dtype", "float32"]
+    run_chapter(writer, args, tmp_path, nproc=2)
+    checkpoints = tmp_path / "outputs" / "test" / "checkpoints"
+    before = sorted((path.name, path.stat().st_size) for path in checkpoints.rglob("*"))
+    run = run_chapter(reader, [*args[:-4], "--max-steps", 4], tmp_path, nproc=2, expect_ok=False, timeout=120)
+    assert run.returncode != 0
+    lines = re.findall(r"error: checkpoint [^\n]*step-00000002 is [^\n]*", run.worker_stderr)
+    assert len(lines) == 2 and lines[0] == lines[1] and "-e/--experiment-name" in lines[0], run.stderr[-3000:]
+    assert 'train_llm.py", line' not in run.stderr and "gloo" not in run.stderr, run.stderr[-3000:]
+    assert sorted((path.name, path.stat().st_size) for path in checkpoints.rglob("*")) == before

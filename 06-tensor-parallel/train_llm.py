@@ -129,9 +129,11 @@ def main():
     if rank == 0:
         truncate_metrics(metrics_path, after_step=state["step"])
 
-    # Compile AFTER parallelizing: the compiled graph then holds the plan's collectives.
+    # Compile AFTER parallelizing, each block on its own as torchtitan does (with FSDP and TP together, compiling
+    # the whole model fails in dynamo, torch 2.13): each graph holds its block's collectives.
     if args.compile:
-        model.compile()
+        for block in model.model.layers:
+            block.compile()
     if args.wandb and rank == 0:
         import wandb
 

@@ -167,10 +167,11 @@ def main():
     if rank == 0:
         truncate_metrics(metrics_path, after_step=state["step"])
 
-    # Compile AFTER parallelizing: the compiled graph then holds the plan's collectives.
+    # Compile AFTER parallelizing, each block on its own, as in chapter 07.
     if args.compile:
         for stage in stages:
-            stage.compile()
+            for block in stage.model.layers:
+                block.compile()
     # A stage returns a slice (a view) of Hugging Face's output, and FSDP warns that an in-place edit of a view
     # would skip its hooks; nothing edits it.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")

@@ -61,6 +61,11 @@ def tp2(common_args, launch_once):
     return launch_once("06", [*common_args, *PARITY], nproc=2)
 
 
+def test_compile_trains_as_single_process_does(single_process, common_args, launch_once):
+    """--compile compiles each block of the parallelized model (chapter 07 keeps these lines)."""
+    assert_same_training(launch_once("06", [*common_args, *PARITY, "--compile"], nproc=2), single_process, 10)
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_tp_matches_single_process_loss_and_weights(nproc, single_process, common_args, launch_once):
     assert_same_training(launch_once("06", [*common_args, *PARITY], nproc=nproc), single_process, 10)

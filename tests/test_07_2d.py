@@ -147,6 +147,14 @@ def test_bf16_mixed_precision_computes_in_bf16_and_follows_single_process_autoca
     assert max_weight_diff(single.exp_dir / "hf", ours.exp_dir / "hf") < 2e-2
 
 
+@pytest.mark.parametrize("layout", [(2, 1), (1, 2)], ids=["dp2-tp1", "dp1-tp2"])
+def test_compile_trains_as_single_process_does(launch, launch_once, common_args, tiny_model, layout):
+    """--compile compiles each block: compiling the whole model under FSDP and TP fails in dynamo (torch 2.13)."""
+    flags, nproc = on(*layout)
+    ours = launch_once("07", [*common_args, "-m", tiny_model, "--max-steps", STEPS, *flags, "--compile"], nproc=nproc)
+    assert_same_training(ours, launch(tiny_model), STEPS)
+
+
 def test_tp_that_does_not_divide_the_ranks_fails_with_one_line_on_every_rank(tiny_model, common_args, tmp_path):
     run = run_chapter("07", [*common_args, "--tp", 4], tmp_path, nproc=2, expect_ok=False)
     assert run.returncode != 0

@@ -51,6 +51,13 @@ def test_3d_matches_single_process_at_the_global_batch(launch, model, pp, dp, tp
         assert "lm_head.weight" not in load_weights(ours.exp_dir / "hf")
 
 
+def test_compile_trains_as_single_process_does(launch, launch_once, common_args, four_layer_models):
+    """--compile compiles each block of each stage, as chapter 07 does."""
+    flags, nproc = on(2, 1, 2)
+    args = [*common_args, "-m", four_layer_models["llama"], "--max-steps", STEPS, *flags, "--compile"]
+    assert_same_training(launch_once("09", args, nproc=nproc), launch("llama"), STEPS)
+
+
 def test_sigterm_then_relaunch_on_the_same_and_on_another_layout_continues_the_uninterrupted_run(
     launch, common_args, four_layer_models, tmp_path
 ):

@@ -151,7 +151,8 @@ def test_bf16_mixed_precision_computes_in_bf16_and_follows_single_process_autoca
 def test_compile_trains_as_single_process_does(launch, launch_once, common_args, tiny_model, layout):
     """--compile compiles each block: compiling the whole model under FSDP and TP fails in dynamo (torch 2.13)."""
     flags, nproc = on(*layout)
-    ours = launch_once("07", [*common_args, "-m", tiny_model, "--max-steps", STEPS, *flags, "--compile"], nproc=nproc)
+    args = [*common_args, "-m", tiny_model, "--max-steps", STEPS, *flags, "--compile"]
+    ours = launch_once("07", args, nproc=nproc)
     assert_same_training(ours, launch(tiny_model), STEPS)
 
 

@@ -38,8 +38,10 @@ def test_missing_pretrained_weights_give_every_rank_one_line(chapter, model_with
     assert not (tmp_path / "outputs" / "test" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("writer,reader", [("02", "04"), ("04", "02")], ids=["one-file-into-dcp", "dcp-into-one-file"])
-def test_another_chapters_checkpoint_format_gives_one_line_and_stays_untouched(writer, reader, tiny_model, tmp_path):
+@pytest.mark.parametrize("writer,reader", [("02", "04"), ("04", "02")],
+                         ids=["one-file-into-dcp", "dcp-into-one-file"])
+def test_another_chapters_checkpoint_format_gives_one_line_and_stays_untouched(writer, reader, tiny_model,
+                                                                                tmp_path):
     """The same -e resumed by a script that writes the other format: chapters 01-02 write one file, 04-09 DCP."""
     args = ["-m", tiny_model, "-s", 32, "--max-steps", 2, "--ckpt-freq", 2, "--dtype", "float32"]
     run_chapter(writer, args, tmp_path, nproc=2)

@@ -1,6 +1,6 @@
-"""A model that cannot be built or loaded stops every chapter the same way: one line on every rank that names
-the model and the fix, a non-zero exit within seconds, no traceback from the script and no gloo error from a
-rank left waiting in a collective."""
+"""A model whose weights cannot be loaded, or a checkpoint of the other format under the same -e, stops every
+chapter the same way: one line on every rank that names the problem and the fix, a non-zero exit within
+seconds, no traceback from the script, no gloo error from a rank left waiting in a collective."""
 import re
 import shutil
 import time

@@ -88,11 +88,12 @@ def main():
 
     if args.compile:
         model.compile()
+    wandb_run = None
     if args.wandb:
         import wandb
 
         # id + resume="allow": a relaunch of the same experiment continues the same wandb run.
-        wandb.init(
+        wandb_run = wandb.init(
             project="distributed-training-guide", name=args.experiment_name, id=args.experiment_name,
             resume="allow", dir=exp_dir, config=vars(args),
         )
@@ -154,8 +155,8 @@ def main():
             if peak_flops is not None:
                 metrics["mfu"] = tokens_per_s * flops_per_token / peak_flops
             log_metrics(metrics_path, metrics, progress)
-            if args.wandb:
-                wandb.log(metrics, step=state["step"])
+            if wandb_run is not None:
+                wandb_run.log(metrics, step=state["step"])
             running_loss.zero_()
             steps_since_log = 0
             last_log_time, last_log_step = time.perf_counter(), state["step"]
@@ -169,8 +170,8 @@ def main():
     progress.close()
     if state["step"] == total_steps:
         export_hf(os.path.join(exp_dir, "hf"), model, tokenizer)
-    if args.wandb:
-        wandb.finish()
+    if wandb_run is not None:
+        wandb_run.finish()
     if state["step"] < total_steps:
         sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
 

@@ -255,6 +255,13 @@ def stop_then_resume(chapter, args, nproc, tmp_path, stop_after, elsewhere):
     return resumed, resumed_elsewhere
 
 
+def wandb_history(run_dir):
+    """The rows an offline wandb run logged, read from its .wandb file."""
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in wandb_records(next(run_dir.glob("*.wandb")))
+            if record.WhichOneof("record_type") == "history"]
+
+
 def wandb_records(wandb_file):
     """The protobuf records of an offline .wandb file: a LevelDB-style log of 32 KiB blocks (after a 7-byte
     file header), each record a 7-byte header (CRC, length, type) and a protobuf Record."""

@@ -7,7 +7,6 @@ the LR schedule or an RNG).
 """
 import contextlib
 import hashlib
-import json
 import math
 import re
 import resource
@@ -19,7 +18,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import INJECT, inject_env, max_weight_diff, run_chapter, wandb_records, write_tiny_model
+from conftest import INJECT, inject_env, max_weight_diff, run_chapter, wandb_history, write_tiny_model
 
 # NOTE: 8 steps with a checkpoint every 2: long enough to stop in the middle, short enough for a test.
 EXACT = ["--max-steps", 8, "--ckpt-freq", 2]
@@ -41,13 +40,6 @@ def interrupted(tmp_path, args, what, after_step):
     """Launch the chapter through tests/inject.py, which sends it a real signal or kills it mid-save."""
     return run_chapter("01", args, tmp_path, experiment="interrupted", script=INJECT, expect_ok=False,
                        env=inject_env("01", what, after_step=after_step))
-
-
-def wandb_history(run_dir):
-    """The rows an offline wandb run logged, read from its .wandb file."""
-    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
-            for record in wandb_records(next(run_dir.glob("*.wandb")))
-            if record.WhichOneof("record_type") == "history"]
 
 
 def test_loss_falls_well_below_the_starting_loss(default_run_with_wandb):

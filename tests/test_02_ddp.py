@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import INJECT, inject_env, max_weight_diff, run_chapter, start_chapter, worker_stderr
+from conftest import (
+    INJECT, inject_env, max_weight_diff, run_chapter, start_chapter, wandb_history, worker_stderr,
+)
 
 GLOBAL_BATCH = 64
 STEPS = 22  # two epochs of 11 steps
@@ -286,7 +288,21 @@ def test_bad_data_gives_every_rank_the_same_line_and_leaves_checkpoints_alone(ca
     assert checksums(tmp_path / "outputs" / "test" / "checkpoints") == before
 
 
-def test_only_rank_0_shows_the_tokenize_progress_bar(launch_once):
+@pytest.fixture
+def default_run_with_wandb(launch_once):
+    """The reader's default on 2 ranks, logging every step to an offline wandb run."""
+    return launch_once("02", ["--max-steps", 3, "--log-freq", 1, "--wandb"], nproc=2)
+
+
+def test_only_rank_0_shows_the_tokenize_progress_bar(default_run_with_wandb):
     """With the built-in corpus (no datasets cache) every rank tokenizes; only rank 0 says so."""
-    run = launch_once("02", ["--max-steps", 2], nproc=2)
-    assert run.stderr.count("tokenize and pack into rows of 129:   0%") == 1, run.stderr[-3000:]
+    assert default_run_with_wandb.stderr.count("tokenize and pack into rows of 129:   0%") == 1
+
+
+def test_rank_0_alone_logs_every_metric_line_to_wandb(default_run_with_wandb):
+    runs = list((default_run_with_wandb.exp_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    logged = wandb_history(runs[0])
+    assert [{key: row[key] for key in line} for row, line in zip(logged, default_run_with_wandb.metrics)] == (
+        default_run_with_wandb.metrics
+    )

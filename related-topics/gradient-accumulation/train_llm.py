@@ -122,11 +122,12 @@ def main():
     # Compile after wrapping: the graph then breaks at DDP's buckets (DDPOptimizer), keeping the overlap.
     if args.compile:
         model.compile()
+    wandb_run = None
     if args.wandb and rank == 0:
         import wandb
 
         # id + resume="allow": a relaunch of the same experiment continues the same wandb run.
-        wandb.init(
+        wandb_run = wandb.init(
             project="distributed-training-guide", name=args.experiment_name, id=args.experiment_name,
             resume="allow", dir=exp_dir, config=vars(args),
         )
@@ -216,8 +217,8 @@ def main():
                 metrics["mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
             if rank == 0:
                 log_metrics(metrics_path, metrics, progress)
-            if args.wandb and rank == 0:
-                wandb.log(metrics, step=state["step"])
+            if wandb_run is not None:
+                wandb_run.log(metrics, step=state["step"])
             running_loss.zero_()
             steps_since_log = 0
             last_log_time, last_log_step = time.perf_counter(), state["step"]
@@ -237,8 +238,8 @@ def main():
     progress.close()
     if rank == 0 and state["step"] == total_steps:
         export_hf(os.path.join(exp_dir, "hf"), model.module, tokenizer)
-    if args.wandb and rank == 0:
-        wandb.finish()
+    if wandb_run is not None:
+        wandb_run.finish()
     # NOTE: free the model before the process group: freed later, its gloo state is destroyed while a
     # communication thread waits for the GIL, and the process hangs. --compile keeps a cycle only gc frees.
     del model

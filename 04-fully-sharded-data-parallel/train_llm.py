@@ -373,7 +373,7 @@ def load_config_and_tokenizer(args):
             tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name)
         except Exception as error:
             sys.exit(
-                f"error: cannot load model {args.model_name!r} ({first_line(error)}); pass a Hugging Face model "
+                f"error: cannot load model {args.model_name!r} ({one_line(error)}); pass a Hugging Face model "
                 "id or a local folder with config.json and a tokenizer"
             )
     max_positions = getattr(config, "max_position_embeddings", None)
@@ -406,7 +406,7 @@ def build_model(args, config, device, mesh, compute_dtype):
             )
     except (ImportError, ValueError, OSError) as error:
         sys.exit(
-            f"error: cannot build model {args.model_name or 'tiny-llama'!r} ({first_line(error)}); pass a model "
+            f"error: cannot build model {args.model_name or 'tiny-llama'!r} ({one_line(error)}); pass a model "
             "whose files are there (its weights, with --from-pretrained) and an --attn-implementation it supports"
         )
     shard_model(model, mesh, compute_dtype, args.cpu_offload, device)
@@ -487,7 +487,7 @@ def load_pretrained_weights(model, model_name):
             pretrained = transformers.AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
         except (ImportError, ValueError, OSError) as error:
             sys.exit(
-                f"error: cannot load the weights of {model_name!r} ({first_line(error)}); pass a model whose "
+                f"error: cannot load the weights of {model_name!r} ({one_line(error)}); pass a model whose "
                 "weights are there, or leave out --from-pretrained"
             )
         full_state_dict.update(pretrained.state_dict())
@@ -539,7 +539,7 @@ def load_raw_dataset(name, subset):
         return datasets.load_dataset(name, subset, split="train")
     except Exception as error:
         sys.exit(
-            f"error: cannot load dataset {name!r} ({first_line(error)}); pass a Hugging Face dataset id "
+            f"error: cannot load dataset {name!r} ({one_line(error)}); pass a Hugging Face dataset id "
             "(and --dataset-subset if it has several), or a local file or folder"
         )
 
@@ -826,9 +826,9 @@ def export_hf(hf_dir, model, tokenizer):
     print(f"saved the trained model to {hf_dir}")
 
 
-def first_line(error):
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
+def one_line(error):
+    """The error's message as one line: some libraries spread it over several, with the cause on the last."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def report_exit(stop):

@@ -366,7 +366,7 @@ def load_config_and_tokenizer(args):
             tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name)
         except Exception as error:
             sys.exit(
-                f"error: cannot load model {args.model_name!r} ({first_line(error)}); pass a Hugging Face model "
+                f"error: cannot load model {args.model_name!r} ({one_line(error)}); pass a Hugging Face model "
                 "id or a local folder with config.json and a tokenizer"
             )
     max_positions = getattr(config, "max_position_embeddings", None)
@@ -423,7 +423,7 @@ def build_model(args, config, device):
                 )
     except (ImportError, ValueError, OSError) as error:
         sys.exit(
-            f"error: cannot build model {args.model_name or 'tiny-llama'!r} ({first_line(error)}); pass a model "
+            f"error: cannot build model {args.model_name or 'tiny-llama'!r} ({one_line(error)}); pass a model "
             "whose files are there (its weights, with --from-pretrained) and an --attn-implementation it supports"
         )
     return model
@@ -537,7 +537,7 @@ def load_raw_dataset(name, subset):
         return datasets.load_dataset(name, subset, split="train")
     except Exception as error:
         sys.exit(
-            f"error: cannot load dataset {name!r} ({first_line(error)}); pass a Hugging Face dataset id "
+            f"error: cannot load dataset {name!r} ({one_line(error)}); pass a Hugging Face dataset id "
             "(and --dataset-subset if it has several), or a local file or folder"
         )
 
@@ -824,9 +824,9 @@ def export_hf(hf_dir, model, tokenizer):
     print(f"saved the trained model to {hf_dir}")
 
 
-def first_line(error):
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
+def one_line(error):
+    """The error's message as one line: some libraries spread it over several, with the cause on the last."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def report_exit(stop):

@@ -89,7 +89,7 @@ def build_hf_model(model_name, weights, checkpoint):
             config = transformers.AutoConfig.from_pretrained(model_name)
             tokenizer = transformers.AutoTokenizer.from_pretrained(model_name)
         except Exception as error:
-            sys.exit(f"error: cannot load model {model_name!r} ({first_line(error)}); pass the -m the "
+            sys.exit(f"error: cannot load model {model_name!r} ({one_line(error)}); pass the -m the "
                      "checkpoint was trained with: a Hugging Face model id or a folder with config.json "
                      "and a tokenizer")
     # On the meta device the model allocates nothing; assign=True then makes the loaded tensors its weights.
@@ -112,7 +112,7 @@ def load_hf_model(path):
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except Exception as error:
-        sys.exit(f"error: cannot load a Hugging Face model from {path!r} ({first_line(error)}); pass a "
+        sys.exit(f"error: cannot load a Hugging Face model from {path!r} ({one_line(error)}); pass a "
                  "folder with config.json and *.safetensors, such as the hf/ folder a chapter exports")
 
 
@@ -124,9 +124,9 @@ def tiny_llama_config():
     )
 
 
-def first_line(error):
-    text = str(error).strip() or type(error).__name__
-    return text.splitlines()[0]
+def one_line(error):
+    """The error's message as one line: some libraries spread it over several, with the cause on the last."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 if __name__ == "__main__":

@@ -395,7 +395,9 @@ def check_tensor_parallel_fits(config, seq_length, tp_size):
     split_sizes = {
         "attention heads": config.num_attention_heads,
         "key/value heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        "MLP channels (intermediate_size)": config.intermediate_size,
+        # 0 (divides by anything) where a model has no such setting: GPT-2, say, which tensor_parallelize
+        # then turns away with its own error.
+        "MLP channels (intermediate_size)": getattr(config, "intermediate_size", 0),
         "vocabulary entries": config.vocab_size,
         "tokens per sequence (-s, split by sequence parallelism)": seq_length,
     }
@@ -467,20 +469,25 @@ def tensor_parallelize(model, tp_mesh):
         # The output head keeps the logits split over the vocabulary for loss_parallel.
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
-    # Qwen3 (and others) normalise each head's queries and keys. A rank holds some heads (dim 2 of the
-    # [batch, sequence, heads, head_dim] input): the norm runs on them with the whole weight on every rank.
-    for per_head_norm in ["q_norm", "k_norm"]:
-        if hasattr(model.get_submodule("model.layers.0.self_attn"), per_head_norm):
-            plan[f"model.layers.*.self_attn.{per_head_norm}"] = SequenceParallel(
-                sequence_dim=2, use_local_output=True
-            )
     for name in plan:
         try:
             model.get_submodule(name.replace("*", "0"))
         except AttributeError:
             sys.exit(
-                f"error: the tensor-parallel plan is written for Llama-family models (Llama, Mistral, Qwen), "
+                "error: the tensor-parallel plan is written for the Llama family (Llama, Mistral, Qwen, Gemma), "
                 f"but {type(model).__name__} has no module {name!r}; use such a model or write its plan"
+            )
+    block = model.get_submodule("model.layers.0")
+    # Gemma 2 and 3 also normalise the MLP's input and output: on sequence slices, as the other norms.
+    for extra_norm in ["pre_feedforward_layernorm", "post_feedforward_layernorm"]:
+        if hasattr(block, extra_norm):
+            plan[f"model.layers.*.{extra_norm}"] = SequenceParallel()
+    # Qwen3 and Gemma 3 normalise each head's queries and keys. A rank holds some heads: the norm runs on them
+    # (over head_dim) with the whole weight on every rank; the sharded dim only has to be another one.
+    for per_head_norm in ["q_norm", "k_norm"]:
+        if hasattr(block.self_attn, per_head_norm):
+            plan[f"model.layers.*.self_attn.{per_head_norm}"] = SequenceParallel(
+                sequence_dim=2, use_local_output=True
             )
     # NOTE: models like Llama 3.2 1B share one matrix between embedding and output head. Parallelizing replaces
     # each module's parameter with a new one, so tie them again, or they would train apart.

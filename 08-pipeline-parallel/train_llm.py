@@ -475,7 +475,13 @@ def pipeline_stage(model, stage_index, num_stages):
     the division allows), the embedding on the first stage only, the final norm and the head on the last only.
     The other layers are replaced by one that passes its input through, so parameter names stay those of the
     whole model: checkpoints and the export need no renaming."""
-    decoder, layers = model.get_decoder(), model.get_decoder().layers
+    decoder = model.get_decoder()
+    if not all(hasattr(decoder, name) for name in ("embed_tokens", "layers", "norm")):
+        sys.exit(
+            "error: the pipeline split is written for the Llama family (Llama, Mistral, Qwen, Gemma), but "
+            f"{type(model).__name__} has no embed_tokens, layers and norm in its decoder; use such a model"
+        )
+    layers = decoder.layers
     first_layer = stage_index * len(layers) // num_stages
     last_layer = (stage_index + 1) * len(layers) // num_stages
     is_first, is_last = stage_index == 0, stage_index == num_stages - 1
@@ -488,12 +494,29 @@ def pipeline_stage(model, stage_index, num_stages):
     memo[id(model.lm_head)] = model.lm_head if is_last else torch.nn.Identity()
     stage = copy.deepcopy(model, memo)
     # A pipeline passes one tensor between stages: the first stage reads token ids, the others the hidden
-    # states before them; each returns a tensor (the last stage's "logits" are, before it, hidden states).
+    # states before them; the last returns logits, the others their last layer's output.
     input_name = "input_ids" if is_first else "inputs_embeds"
     stage.register_forward_pre_hook(
         lambda module, args, kwargs: ((), {input_name: args[0], "use_cache": False}), with_kwargs=True
     )
-    stage.register_forward_hook(lambda module, args, output: output.logits)
+    # NOTE: each stage runs the whole model's forward (it makes the positions and masks), and some models scale
+    # what enters the first layer (Gemma, Granite) or what leaves the last (Granite, Gemma 2). Hidden states
+    # between stages must skip that: a stage's first layer takes them as received, its last layer's output goes.
+    received, sent = [], []
+
+    def keep_input(module, args, kwargs):
+        received[:] = [kwargs["inputs_embeds"]]
+
+    def keep_output(module, args, output):
+        sent[:] = [output]
+
+    own_layers = stage.get_decoder().layers[first_layer:last_layer]
+    if not is_first:
+        stage.get_decoder().register_forward_pre_hook(keep_input, with_kwargs=True)
+        own_layers[0].register_forward_pre_hook(lambda module, args: (received[0], *args[1:]))
+    if not is_last:
+        own_layers[-1].register_forward_hook(keep_output)
+    stage.register_forward_hook(lambda module, args, output: output.logits if is_last else sent[0])
     return stage
 
 

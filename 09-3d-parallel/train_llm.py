@@ -515,7 +515,9 @@ def check_tensor_parallel_fits(config, seq_length, tp_size):
     split_sizes = {
         "attention heads": config.num_attention_heads,
         "key/value heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        "MLP channels (intermediate_size)": config.intermediate_size,
+        # 0 (divides by anything) where a model has no such setting: GPT-2, say, which tensor_parallelize
+        # then turns away with its own error.
+        "MLP channels (intermediate_size)": getattr(config, "intermediate_size", 0),
         "vocabulary entries": config.vocab_size,
         "tokens per sequence (-s, split by sequence parallelism)": seq_length,
     }
@@ -587,20 +589,25 @@ def tensor_parallelize(model, tp_mesh):
         # The output head keeps the logits split over the vocabulary for loss_parallel.
         "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
-    # Qwen3 (and others) normalise each head's queries and keys. A rank holds some heads (dim 2 of the
-    # [batch, sequence, heads, head_dim] input): the norm runs on them with the whole weight on every rank.
-    for per_head_norm in ["q_norm", "k_norm"]:
-        if hasattr(model.get_submodule("model.layers.0.self_attn"), per_head_norm):
-            plan[f"model.layers.*.self_attn.{per_head_norm}"] = SequenceParallel(
-                sequence_dim=2, use_local_output=True
-            )
     for name in plan:
         try:
             model.get_submodule(name.replace("*", "0"))
         except AttributeError:
             sys.exit(
-                f"error: the tensor-parallel plan is written for Llama-family models (Llama, Mistral, Qwen), "
+                "error: the tensor-parallel plan is written for the Llama family (Llama, Mistral, Qwen, Gemma), "
                 f"but {type(model).__name__} has no module {name!r}; use such a model or write its plan"
+            )
+    block = model.get_submodule("model.layers.0")
+    # Gemma 2 and 3 also normalise the MLP's input and output: on sequence slices, as the other norms.
+    for extra_norm in ["pre_feedforward_layernorm", "post_feedforward_layernorm"]:
+        if hasattr(block, extra_norm):
+            plan[f"model.layers.*.{extra_norm}"] = SequenceParallel()
+    # Qwen3 and Gemma 3 normalise each head's queries and keys. A rank holds some heads: the norm runs on them
+    # (over head_dim) with the whole weight on every rank; the sharded dim only has to be another one.
+    for per_head_norm in ["q_norm", "k_norm"]:
+        if hasattr(block.self_attn, per_head_norm):
+            plan[f"model.layers.*.self_attn.{per_head_norm}"] = SequenceParallel(
+                sequence_dim=2, use_local_output=True
             )
     # NOTE: models like Llama 3.2 1B share one matrix between embedding and output head. Parallelizing replaces
     # each module's parameter with a new one, so tie them again, or they would train apart.
@@ -623,7 +630,13 @@ def pipeline_stage(model, stage_index, num_stages):
     the division allows), the embedding on the first stage only, the final norm and the head on the last only.
     The other layers are replaced by one that passes its input through, so parameter names stay those of the
     whole model: checkpoints and the export need no renaming."""
-    decoder, layers = model.get_decoder(), model.get_decoder().layers
+    decoder = model.get_decoder()
+    if not all(hasattr(decoder, name) for name in ("embed_tokens", "layers", "norm")):
+        sys.exit(
+            "error: the pipeline split is written for the Llama family (Llama, Mistral, Qwen, Gemma), but "
+            f"{type(model).__name__} has no embed_tokens, layers and norm in its decoder; use such a model"
+        )
+    layers = decoder.layers
     first_layer = stage_index * len(layers) // num_stages
     last_layer = (stage_index + 1) * len(layers) // num_stages
     is_first, is_last = stage_index == 0, stage_index == num_stages - 1
@@ -636,12 +649,29 @@ def pipeline_stage(model, stage_index, num_stages):
     memo[id(model.lm_head)] = model.lm_head if is_last else torch.nn.Identity()
     stage = copy.deepcopy(model, memo)
     # A pipeline passes one tensor between stages: the first stage reads token ids, the others the hidden
-    # states before them; each returns a tensor (the last stage's "logits" are, before it, hidden states).
+    # states before them; the last returns logits, the others their last layer's output.
     input_name = "input_ids" if is_first else "inputs_embeds"
     stage.register_forward_pre_hook(
         lambda module, args, kwargs: ((), {input_name: args[0], "use_cache": False}), with_kwargs=True
     )
-    stage.register_forward_hook(lambda module, args, output: output.logits)
+    # NOTE: each stage runs the whole model's forward (it makes the positions and masks), and some models scale
+    # what enters the first layer (Gemma, Granite) or what leaves the last (Granite, Gemma 2). Hidden states
+    # between stages must skip that: a stage's first layer takes them as received, its last layer's output goes.
+    received, sent = [], []
+
+    def keep_input(module, args, kwargs):
+        received[:] = [kwargs["inputs_embeds"]]
+
+    def keep_output(module, args, output):
+        sent[:] = [output]
+
+    own_layers = stage.get_decoder().layers[first_layer:last_layer]
+    if not is_first:
+        stage.get_decoder().register_forward_pre_hook(keep_input, with_kwargs=True)
+        own_layers[0].register_forward_pre_hook(lambda module, args: (received[0], *args[1:]))
+    if not is_last:
+        own_layers[-1].register_forward_hook(keep_output)
+    stage.register_forward_hook(lambda module, args, output: output.logits if is_last else sent[0])
     return stage
 
 

@@ -135,21 +135,45 @@ def inject_env(chapter, what, rank=None, after_step=None):
 
 
 def write_tiny_model(path, seed=0, architecture="llama", **overrides):
-    """A randomly initialised tiny Llama, or Qwen3 (per-head q/k norms), with the ByT5 byte tokenizer, saved
-    like any Hub checkpoint."""
+    """A randomly initialised tiny Llama, Qwen3 (per-head q/k norms), Gemma 3 (also norms around the MLP, a
+    scaled embedding), Granite (embeddings, residuals and logits scaled outside the layers; logits x2, not
+    Granite 3's /16, so that it learns in a few steps) or GPT-NeoX (not the Llama layout), with a byte
+    tokenizer, saved like any Hub checkpoint."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    config_class = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[architecture]
-    # Qwen3's head_dim is its own setting (default 128), not hidden_size / heads.
+    config_class = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+                    "gemma3": transformers.Gemma3TextConfig, "granite": transformers.GraniteConfig,
+                    "gpt_neox": transformers.GPTNeoXConfig}[architecture]
     sizes = {**TINY_LLAMA, **overrides}
-    if architecture == "qwen3":
+    # Qwen3's and Gemma 3's head_dim is its own setting (default 128, 256), not hidden_size / heads.
+    if architecture in ("qwen3", "gemma3"):
         sizes.setdefault("head_dim", sizes["hidden_size"] // sizes["num_attention_heads"])
+    if architecture == "granite":
+        sizes = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 0.5,
+                 "attention_multiplier": 0.25, **sizes}
     config = config_class(**sizes)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    transformers.ByT5Tokenizer(extra_ids=0).save_pretrained(path)
+    # transformers 5 loads a Granite checkpoint's tokenizer only from a tokenizer.json (a fast tokenizer).
+    tokenizer = byte_level_tokenizer() if architecture == "granite" else transformers.ByT5Tokenizer(extra_ids=0)
+    tokenizer.save_pretrained(path)
     return path
+
+
+def byte_level_tokenizer():
+    """A fast tokenizer with one token per byte after 3 special tokens, as ByT5's (which has no fast one)."""
+    import tokenizers
+    import transformers
+
+    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{char: i + 3 for i, char in enumerate(alphabet)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = tokenizers.decoders.ByteLevel()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
+    )
 
 
 def write_tiny_dataset(path, num_files=2, documents_per_file=300, seed=0):
@@ -173,11 +197,14 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def four_layer_models(tmp_path_factory):
-    """Tiny models deep enough for 4 pipeline stages: a Llama, and a Qwen3 whose embedding is its output head."""
+    """Tiny models deep enough for 4 pipeline stages: a Llama, a Qwen3 whose embedding is its output head, and a
+    Granite, which scales its embeddings and logits outside the layers."""
     return {
         "llama": write_tiny_model(tmp_path_factory.mktemp("llama-4-layers"), num_hidden_layers=4),
         "qwen3-tied": write_tiny_model(tmp_path_factory.mktemp("qwen3-4-layers-tied"), architecture="qwen3",
                                        num_hidden_layers=4, tie_word_embeddings=True),
+        "granite": write_tiny_model(tmp_path_factory.mktemp("granite-4-layers"), architecture="granite",
+                                    num_hidden_layers=4),
     }
 
 

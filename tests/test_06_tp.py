@@ -71,11 +71,12 @@ def test_tp_matches_single_process_loss_and_weights(nproc, single_process, commo
     assert_same_training(launch_once("06", [*common_args, *PARITY], nproc=nproc), single_process, 10)
 
 
-@pytest.mark.parametrize("architecture,overrides", [("qwen3", {}), ("llama", {"tie_word_embeddings": True})],
-                         ids=["qwen3-per-head-norms", "llama-tied-embeddings"])
+@pytest.mark.parametrize("architecture,overrides", [
+    ("qwen3", {}), ("gemma3", {}), ("llama", {"tie_word_embeddings": True}),
+], ids=["qwen3-per-head-norms", "gemma3-norms-around-the-mlp", "llama-tied-embeddings"])
 def test_other_architectures_match_single_process(architecture, overrides, common_args, launch_once, tmp_path):
-    """Qwen3 normalises each head's queries and keys (q_norm, k_norm: parameters a Llama plan does not place);
-    a tied model shares one matrix between embedding and head."""
+    """Qwen3 normalises each head's queries and keys (q_norm, k_norm: parameters a Llama plan does not place),
+    Gemma 3 also the MLP's input and output; a tied model shares one matrix between embedding and head."""
     model = write_tiny_model(tmp_path / architecture, architecture=architecture, **overrides)
     args = [*common_args, *PARITY, "-m", model]
     assert_same_training(run_chapter("06", args, tmp_path, nproc=2, experiment="tp"),

@@ -1,13 +1,14 @@
-"""A model whose weights cannot be loaded, or a checkpoint of the other format under the same -e, stops every
-chapter the same way: one line on every rank that names the problem and the fix, a non-zero exit within
-seconds, no traceback from the script, no gloo error from a rank left waiting in a collective."""
+"""A model whose weights cannot be loaded, a model the parallel plans are not written for, or a checkpoint of
+the other format under the same -e, stops every chapter the same way: one line on every rank that names the
+problem and the fix, a non-zero exit within seconds, no traceback from the script, no gloo error from a rank
+left waiting in a collective."""
 import re
 import shutil
 import time
 
 import pytest
 
-from conftest import run_chapter
+from conftest import run_chapter, write_tiny_model
 
 # chapter: processes (None: plain python)
 CHAPTER_PROCESSES = {"01": None, "02": 2, "04": 2, "05": 2, "06": 2, "07": 2, "08": 2, "09": 2}
@@ -53,3 +54,20 @@ def test_another_chapters_checkpoint_format_gives_one_line_and_stays_untouched(w
     assert len(lines) == 2 and lines[0] == lines[1] and "-e/--experiment-name" in lines[0], run.stderr[-3000:]
     assert 'train_llm.py", line' not in run.stderr and "gloo" not in run.stderr, run.stderr[-3000:]
     assert sorted((path.name, path.stat().st_size) for path in checkpoints.rglob("*")) == before
+
+
+# chapter: the flags that put 2 ranks into its layout
+LAYOUT_FLAGS = {"06": [], "07": ["--tp", 2], "08": [], "09": ["--pp", 2, "--tp", 1]}
+
+
+@pytest.mark.parametrize("chapter", LAYOUT_FLAGS)
+def test_a_model_outside_the_llama_layout_gives_every_rank_one_line(chapter, tmp_path):
+    """Tensor-parallel plans and pipeline splits name Llama's modules; GPT-NeoX has others (embed_in, ...)."""
+    model = write_tiny_model(tmp_path / "gpt-neox", architecture="gpt_neox")
+    run = run_chapter(chapter, ["-m", model, "--max-steps", 2, *LAYOUT_FLAGS[chapter]], tmp_path, nproc=2,
+                      expect_ok=False, timeout=120)
+    assert run.returncode != 0
+    lines = re.findall(r"error: the (?:tensor-parallel plan|pipeline split) is written for the Llama family "
+                       r"[^\n]*GPTNeoXForCausalLM[^\n]*; use such a model[^\n]*", run.worker_stderr)
+    assert len(lines) == 2 and lines[0] == lines[1], run.stderr[-3000:]
+    assert 'train_llm.py", line' not in run.stderr and "gloo" not in run.stderr, run.stderr[-3000:]

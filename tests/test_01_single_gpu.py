@@ -167,16 +167,30 @@ def test_bad_input_fails_fast_with_one_line(case, common_args, tmp_path):
     assert_fails_with_one_line(run, message, cost)
 
 
-def test_resuming_with_another_model_fails_and_keeps_the_checkpoint(reference, common_args, tmp_path):
+# name: (flags that differ from the reference run's, or a function of tmp_path giving them; the line expected)
+RESUME_CHANGES = {
+    "another-model": (lambda tmp: ["-m", write_tiny_model(tmp / "wider", hidden_size=128)],
+                      "holds a different model (lm_head.weight: [272, 64] in the checkpoint, [272, 128] now)"),
+    # the saved data position would point into other rows, or another order
+    "other-rows": (["-s", 16], "continues only on the data it was trained on (-s/--seq-length: 32 in the "
+                               "checkpoint, 16 now); relaunch with the flags it was trained with"),
+    "another-order": (["--seed", 1], "continues only on the data it was trained on (--seed: 0 in the checkpoint, "
+                                     "1 now)"),
+}
+
+
+@pytest.mark.parametrize("case", RESUME_CHANGES)
+def test_resuming_with_another_model_or_data_fails_and_keeps_the_checkpoint(case, reference, common_args,
+                                                                            tmp_path):
     shutil.copytree(reference.exp_dir, tmp_path / "outputs" / "reference")
     checkpoint = tmp_path / "outputs" / "reference" / "checkpoints" / "step-00000008" / "checkpoint.pt"
     before = hashlib.sha256(checkpoint.read_bytes()).hexdigest()
-    wider = write_tiny_model(tmp_path / "wider", hidden_size=128)
+    flags, message = RESUME_CHANGES[case]
+    flags = flags(tmp_path) if callable(flags) else flags
     with measured() as cost:
-        run = run_chapter("01", [*common_args, "-m", wider], tmp_path, experiment="reference", expect_ok=False,
-                          timeout=180)
-    assert_fails_with_one_line(run, "holds a different model (lm_head.weight: [272, 64] in the checkpoint, "
-                                    "[272, 128] in this model)", cost)
+        run = run_chapter("01", [*common_args, *EXACT, *flags], tmp_path, experiment="reference",
+                          expect_ok=False, timeout=180)
+    assert_fails_with_one_line(run, message, cost)
     assert hashlib.sha256(checkpoint.read_bytes()).hexdigest() == before
     assert len(run.losses) == 8, "the failed launch must not touch metrics.jsonl"
 

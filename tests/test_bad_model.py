@@ -1,7 +1,7 @@
-"""A model whose weights cannot be loaded, a model the parallel plans are not written for, or a checkpoint of
-the other format under the same -e, stops every chapter the same way: one line on every rank that names the
-problem and the fix, a non-zero exit within seconds, no traceback from the script, no gloo error from a rank
-left waiting in a collective."""
+"""A model whose weights cannot be loaded, a model the parallel plans are not written for, a checkpoint of the
+other format under the same -e, or one resumed on other data, stops every chapter the same way: one line on
+every rank that names the problem and the fix, a non-zero exit within seconds, no traceback from the script, no
+gloo error from a rank left waiting in a collective."""
 import re
 import shutil
 import time
@@ -71,3 +71,22 @@ def test_a_model_outside_the_llama_layout_gives_every_rank_one_line(chapter, tmp
                        r"[^\n]*GPTNeoXForCausalLM[^\n]*; use such a model[^\n]*", run.worker_stderr)
     assert len(lines) == 2 and lines[0] == lines[1], run.stderr[-3000:]
     assert 'train_llm.py", line' not in run.stderr and "gloo" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("chapter,layout", [("02", []), ("09", ["--pp", 2, "--tp", 1])], ids=["02", "09"])
+def test_resuming_on_other_data_gives_every_rank_one_line_and_leaves_the_checkpoint(chapter, layout, tiny_model,
+                                                                                    tmp_path):
+    """The saved data position counts rows of -s + 1 tokens in the order of --seed: under another -s it would
+    skip or repeat data silently."""
+    args = ["-m", tiny_model, "--max-steps", 4, "--ckpt-freq", 2, "--dtype", "float32", *layout]
+    run_chapter(chapter, [*args, "-s", 32], tmp_path, nproc=2, timeout=180)
+    checkpoints = tmp_path / "outputs" / "test" / "checkpoints"
+    before = sorted((path.name, path.stat().st_size) for path in checkpoints.rglob("*"))
+    assert before, "the first run left no checkpoint"
+    run = run_chapter(chapter, [*args, "-s", 16], tmp_path, nproc=2, expect_ok=False, timeout=120)
+    assert run.returncode != 0
+    lines = re.findall(r"error: checkpoint [^\n]*step-00000004 continues only on the data it was trained on "
+                       r"\(-s/--seq-length: 32 in the checkpoint, 16 now\); relaunch [^\n]*", run.worker_stderr)
+    assert len(lines) == 2 and lines[0] == lines[1], run.stderr[-3000:]
+    assert 'train_llm.py", line' not in run.stderr and "gloo" not in run.stderr, run.stderr[-3000:]
+    assert sorted((path.name, path.stat().st_size) for path in checkpoints.rglob("*")) == before

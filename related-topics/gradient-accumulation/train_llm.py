@@ -104,13 +104,16 @@ def main():
     )
 
     # The data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure function of
-    # (seed, epoch), so resuming needs no replay of skipped batches. loss_window holds the losses summed since
-    # the last log line, so a resumed run logs the same averages as an uninterrupted one.
-    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0]}
+    # (seed, epoch), so resuming needs no replay of skipped batches, under the same data flags (the checkpoint
+    # keeps them). loss_window holds the losses summed since the last log line, so a resumed run logs the same
+    # averages as an uninterrupted one.
+    data_flags = {"-d/--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
+                  "-s/--seq-length": args.seq_length, "--seed": args.seed}
+    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0], "data_flags": data_flags}
     # Rank 0 alone checks the checkpoints (and sets damaged ones aside); every rank loads the one it chose.
     checkpoint_dir = run_on_rank_0(lambda: usable_checkpoint(exp_dir))
     if checkpoint_dir is not None:
-        state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes)
+        state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, data_flags)
         print(f"rank {rank}: resumed from {checkpoint_dir} at step {state['step']}")
     metrics_path = os.path.join(exp_dir, "metrics.jsonl")
     if rank == 0:
@@ -669,7 +672,7 @@ def remove_old_checkpoints(checkpoints_dir, keep=2):
 CHECKPOINT_FORMAT = "one file"
 
 
-def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes):
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, data_flags):
     with open(os.path.join(checkpoint_dir, "state.json")) as f:
         state = json.load(f)
     saved_shapes = state.pop("param_shapes")
@@ -678,6 +681,13 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes)
             f"error: checkpoint {checkpoint_dir} holds a different model "
             f"({describe_mismatch(saved_shapes, param_shapes)}); "
             "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
+        )
+    # NOTE: on other rows (-s, -d) or in another order (--seed), the saved position would skip or repeat data.
+    if state["data_flags"] != data_flags:
+        sys.exit(
+            f"error: checkpoint {checkpoint_dir} continues only on the data it was trained on "
+            f"({describe_mismatch(state['data_flags'], data_flags)}); "
+            "relaunch with the flags it was trained with, or pass a new -e/--experiment-name to start fresh"
         )
     # DCP writes a .metadata index; the one-file format has none.
     written_as = "sharded (DCP)" if os.path.exists(os.path.join(checkpoint_dir, ".metadata")) else "one file"
@@ -705,11 +715,10 @@ def set_rng_state(saved):
         torch.cuda.set_rng_state(saved["cuda"])
 
 
-def describe_mismatch(saved_shapes, param_shapes):
-    for name in sorted(set(saved_shapes) | set(param_shapes)):
-        if saved_shapes.get(name) != param_shapes.get(name):
-            return f"{name}: {saved_shapes.get(name)} in the checkpoint, {param_shapes.get(name)} in this model"
-    return "same parameters"
+def describe_mismatch(saved, current):
+    """The first entry (a parameter's shape, a data flag) that differs, as it is in the checkpoint and now."""
+    name = next(name for name in sorted(set(saved) | set(current)) if saved.get(name) != current.get(name))
+    return f"{name}: {saved.get(name)} in the checkpoint, {current.get(name)} now"
 
 
 def export_hf(hf_dir, model, tokenizer):

@@ -394,6 +394,13 @@ def load_config_and_tokenizer(args):
                 f"error: cannot load model {args.model_name!r} ({one_line(error)}); pass a Hugging Face model "
                 "id or a local folder with config.json and a tokenizer"
             )
+    # NOTE: a token id past the embedding fails deep in the forward on CPU, and as a device-side assert on CUDA.
+    vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        sys.exit(
+            f"error: the tokenizer of {args.model_name!r} has {len(tokenizer)} tokens, more than the model's "
+            f"{vocab_size} embeddings; pass a model whose tokenizer and config.json belong together"
+        )
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and args.seq_length > max_positions:
         sys.exit(

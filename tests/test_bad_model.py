@@ -1,7 +1,8 @@
-"""A model whose weights cannot be loaded, a model the parallel plans are not written for, a checkpoint of the
-other format under the same -e, or one resumed on other data, stops every chapter the same way: one line on
-every rank that names the problem and the fix, a non-zero exit within seconds, no traceback from the script, no
-gloo error from a rank left waiting in a collective."""
+"""A model whose weights cannot be loaded, a model the parallel plans are not written for, a tokenizer with more
+tokens than the model has embeddings, a checkpoint of the other format under the same -e, or one resumed on
+other data, stops every chapter the same way: one line on every rank that names the problem and the fix, a
+non-zero exit within seconds, no traceback from the script, no gloo error from a rank left waiting in a
+collective."""
 import re
 import shutil
 import time
@@ -90,3 +91,14 @@ def test_resuming_on_other_data_gives_every_rank_one_line_and_leaves_the_checkpo
     assert len(lines) == 2 and lines[0] == lines[1], run.stderr[-3000:]
     assert 'train_llm.py", line' not in run.stderr and "gloo" not in run.stderr, run.stderr[-3000:]
     assert sorted((path.name, path.stat().st_size) for path in checkpoints.rglob("*")) == before
+
+
+def test_a_tokenizer_beyond_the_embedding_gives_every_rank_one_line(tmp_path):
+    """Token ids past the embedding would fail in the forward (a device-side assert on CUDA): caught first."""
+    model = write_tiny_model(tmp_path / "small-vocab", vocab_size=200)
+    run = run_chapter("02", ["-m", model, "--max-steps", 2], tmp_path, nproc=2, expect_ok=False, timeout=120)
+    assert run.returncode != 0
+    lines = re.findall(r"error: the tokenizer of [^\n]* has 259 tokens, more than the model's 200 embeddings; "
+                       r"pass [^\n]*", run.worker_stderr)
+    assert len(lines) == 2 and lines[0] == lines[1], run.stderr[-3000:]
+    assert 'train_llm.py", line' not in run.stderr and "gloo" not in run.stderr, run.stderr[-3000:]

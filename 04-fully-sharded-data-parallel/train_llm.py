@@ -110,16 +110,17 @@ def main():
     )
 
     # The data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure function of
-    # (seed, epoch), so resuming needs no replay of skipped batches, under the same data flags (the checkpoint
-    # keeps them). loss_window holds the losses summed since the last log line, so a resumed run logs the same
-    # averages as an uninterrupted one.
-    data_flags = {"-d/--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
-                  "-s/--seq-length": args.seq_length, "--seed": args.seed}
-    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0], "data_flags": data_flags}
+    # (seed, epoch), so resuming needs no replay of skipped batches. loss_window holds the losses summed since
+    # the last log line, so a resumed run logs the same averages as an uninterrupted one. The checkpoint keeps
+    # fixed_flags, which a relaunch must not change (batch size and number of ranks may change).
+    fixed_flags = {"-d/--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
+                   "-s/--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
+                   "--warmup-steps": args.warmup_steps}
+    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0], "fixed_flags": fixed_flags}
     # Rank 0 alone checks the checkpoints (and sets damaged ones aside); every rank loads the one it chose.
     checkpoint_dir = run_on_rank_0(lambda: usable_checkpoint(exp_dir))
     if checkpoint_dir is not None:
-        state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, data_flags)
+        state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags)
         print(f"rank {rank}: resumed from {checkpoint_dir} at step {state['step']}")
     metrics_path = os.path.join(exp_dir, "metrics.jsonl")
     if rank == 0:
@@ -771,7 +772,7 @@ def remove_old_checkpoints(checkpoints_dir, keep=2):
 CHECKPOINT_FORMAT = "sharded (DCP)"
 
 
-def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, data_flags):
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags):
     with open(os.path.join(checkpoint_dir, "state.json")) as f:
         state = json.load(f)
     saved_shapes = state.pop("param_shapes")
@@ -781,12 +782,13 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes,
             f"({describe_mismatch(saved_shapes, param_shapes)}); "
             "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
         )
-    # NOTE: on other rows (-s, -d) or in another order (--seed), the saved position would skip or repeat data.
-    if state["data_flags"] != data_flags:
+    # NOTE: on other rows (-s, -d) or in another order (--seed) the saved position would skip or repeat data,
+    # and the saved schedule would silently keep the old --lr.
+    if state["fixed_flags"] != fixed_flags:
         sys.exit(
-            f"error: checkpoint {checkpoint_dir} continues only on the data it was trained on "
-            f"({describe_mismatch(state['data_flags'], data_flags)}); "
-            "relaunch with the flags it was trained with, or pass a new -e/--experiment-name to start fresh"
+            f"error: checkpoint {checkpoint_dir} continues only under the flags it was trained with "
+            f"({describe_mismatch(state['fixed_flags'], fixed_flags)}); "
+            "relaunch with those, or pass a new -e/--experiment-name to start fresh"
         )
     # DCP writes a .metadata index; the one-file format has none.
     written_as = "sharded (DCP)" if os.path.exists(os.path.join(checkpoint_dir, ".metadata")) else "one file"

@@ -175,10 +175,11 @@ RESUME_CHANGES = {
     "another-model": (lambda tmp: ["-m", write_tiny_model(tmp / "wider", hidden_size=128)],
                       "holds a different model (lm_head.weight: [272, 64] in the checkpoint, [272, 128] now)"),
     # the saved data position would point into other rows, or another order
-    "other-rows": (["-s", 16], "continues only on the data it was trained on (-s/--seq-length: 32 in the "
-                               "checkpoint, 16 now); relaunch with the flags it was trained with"),
-    "another-order": (["--seed", 1], "continues only on the data it was trained on (--seed: 0 in the checkpoint, "
-                                     "1 now)"),
+    "other-rows": (["-s", 16], "continues only under the flags it was trained with (-s/--seq-length: 32 in the "
+                               "checkpoint, 16 now); relaunch with those"),
+    "another-order": (["--seed", 1], "(--seed: 0 in the checkpoint, 1 now)"),
+    # the saved schedule would keep the old peak learning rate
+    "another-lr": (["--lr", 0.002], "(--lr: 0.001 in the checkpoint, 0.002 now)"),
 }
 
 

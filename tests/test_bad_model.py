@@ -1,8 +1,8 @@
 """A model whose weights cannot be loaded, a model the parallel plans are not written for, a tokenizer with more
 tokens than the model has embeddings, a checkpoint of the other format under the same -e, or one resumed on
-other data, stops every chapter the same way: one line on every rank that names the problem and the fix, a
-non-zero exit within seconds, no traceback from the script, no gloo error from a rank left waiting in a
-collective."""
+other data or at another --lr, stops every chapter the same way: one line on every rank that names the problem
+and the fix, a non-zero exit within seconds, no traceback from the script, no gloo error from a rank left
+waiting in a collective."""
 import re
 import shutil
 import time
@@ -86,8 +86,8 @@ def test_resuming_on_other_data_gives_every_rank_one_line_and_leaves_the_checkpo
     assert before, "the first run left no checkpoint"
     run = run_chapter(chapter, [*args, "-s", 16], tmp_path, nproc=2, expect_ok=False, timeout=120)
     assert run.returncode != 0
-    lines = re.findall(r"error: checkpoint [^\n]*step-00000004 continues only on the data it was trained on "
-                       r"\(-s/--seq-length: 32 in the checkpoint, 16 now\); relaunch [^\n]*", run.worker_stderr)
+    lines = re.findall(r"error: checkpoint [^\n]*step-00000004 continues only under the flags it was trained "
+                       r"with \(-s/--seq-length: 32 in the checkpoint, 16 now\); relaunch [^\n]*", run.worker_stderr)
     assert len(lines) == 2 and lines[0] == lines[1], run.stderr[-3000:]
     assert 'train_llm.py", line' not in run.stderr and "gloo" not in run.stderr, run.stderr[-3000:]
     assert sorted((path.name, path.stat().st_size) for path in checkpoints.rglob("*")) == before

@@ -891,7 +891,7 @@ def set_rng_state(saved):
 
 
 def describe_mismatch(saved, current):
-    """The first entry (a parameter's shape, a data flag) that differs, as it is in the checkpoint and now."""
+    """The first entry (a parameter's shape, a fixed flag) that differs, as it is in the checkpoint and now."""
     name = next(name for name in sorted(set(saved) | set(current)) if saved.get(name) != current.get(name))
     return f"{name}: {saved.get(name)} in the checkpoint, {current.get(name)} now"
 

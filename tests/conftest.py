@@ -63,6 +63,33 @@ class Run:
         return worker_stderr(self.stderr)
 
 
+def pytest_collection_modifyitems(items):
+    """The README commands (tests/test_docs.py) run last, after every test that may already have run one."""
+    items.sort(key=lambda item: item.originalname == "test_readme_command_runs")
+
+
+@dataclasses.dataclass
+class Launch:
+    """A launch that exited 0: the script it ran (the chapter's own under tests/inject.py), its processes (None:
+    plain python), its flags, and the test that made it."""
+
+    script: Path
+    nproc: int | None
+    args: list
+    test: str
+
+
+# Every such launch of this session, in order: tests/test_docs.py does not run a README command again that one of
+# them already ran.
+SUCCESSFUL_LAUNCHES = []
+
+
+def record_launch(script, nproc, args):
+    """Note a launch that exited 0 (run_chapter does; so do the tests that start a script themselves)."""
+    SUCCESSFUL_LAUNCHES.append(Launch(Path(script).resolve(), nproc, [str(arg) for arg in args],
+                                      os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]))
+
+
 def worker_stderr(stderr):
     return stderr.split("\nFailures:\n")[0]
 
@@ -118,6 +145,9 @@ def run_chapter(chapter, args, tmp_path, nproc=None, timeout=240, expect_ok=True
         stdout, stderr = process.communicate()
         pytest.fail(f"{' '.join(command)} hung for {timeout} s\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-4000:]}")
     run = Run(process.returncode, stdout, stderr, tmp_path / "outputs" / experiment)
+    if run.returncode == 0:
+        ran = (env or {}).get("INJECT_SCRIPT") if script == INJECT else script
+        record_launch(ran or CHAPTERS[chapter] / "train_llm.py", nproc, args)
     if expect_ok and run.returncode != 0:
         pytest.fail(f"{' '.join(command)} exited {run.returncode}\n--- stdout\n{stdout[-4000:]}\n--- stderr\n{stderr[-6000:]}")
     return run

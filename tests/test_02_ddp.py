@@ -258,9 +258,9 @@ def broken_parquet(path):
 
 
 # name: (how to make the bad file, the message every rank must print)
+# Rank 0 loads the data and sends its error line to the others (run_on_rank_0), whatever the error: empty and
+# binary files, whose lines chapter 01's test_bad_input_fails_fast_with_one_line checks, go the same way.
 BAD_DATA = {
-    "empty": (lambda path: path.with_suffix(".txt").write_text(""), "is empty"),
-    "binary": (lambda path: path.with_suffix(".txt").write_bytes(bytes(range(256)) * 64), "is not a text file"),
     "jsonl-without-text": (lambda path: path.with_suffix(".jsonl").write_text('{"body": "a"}\n' * 50),
                            "has no 'text' column (it has ['body'])"),
     "broken-parquet": (lambda path: broken_parquet(path.with_suffix(".parquet")), "cannot load dataset"),

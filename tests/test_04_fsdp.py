@@ -1,6 +1,7 @@
-"""Chapter 04 (FSDP2): trains the same model to the same numbers as chapters 01 and 02 while each rank holds
-1/N of the weights, gradients and optimizer state; builds a fresh model on the meta device with chapter 01's
-init; resumes exactly, also on another number of ranks; exports a Hugging Face model.
+"""Chapter 04 (FSDP2): trains the same model to the same numbers as chapter 01 (to the tolerances within which
+DDP matches it, tests/test_02_ddp.py) while each rank holds 1/N of the weights, gradients and optimizer state;
+builds a fresh model on the meta device with chapter 01's init; resumes exactly, also on another number of
+ranks; exports a Hugging Face model.
 
 The reference is chapter 01 on the whole global batch of 8 sequences for 12 steps; N ranks use -b 8/N.
 """
@@ -64,13 +65,10 @@ def assert_same_training(ours, reference):
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_fsdp_matches_single_process_and_ddp(launch, single_process, nproc):
-    fsdp, ddp = launch("04", nproc), launch("02", nproc)
-
+def test_fsdp_matches_single_process(launch, single_process, nproc):
     # the run trains (so agreeing numbers mean something): the loss falls well below its start
     assert single_process.losses[-1] < single_process.losses[0] - 0.5
-    assert_same_training(fsdp, single_process)
-    assert_same_training(fsdp, ddp)
+    assert_same_training(launch("04", nproc), single_process)
 
 
 HSDP_2X2 = ["--replicate-degree", 2]  # two copies of the model, each sharded over 2 ranks

@@ -25,7 +25,8 @@ def model_without_weights(tiny_model, tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("chapter", CHAPTER_PROCESSES)
+# Chapters 06-09 load weights with chapter 02's build_model, the same text (tests/test_chapter_diffs.py).
+@pytest.mark.parametrize("chapter", ["01", "02", "04", "05"])
 def test_missing_pretrained_weights_give_every_rank_one_line(chapter, model_without_weights, tmp_path):
     nproc = CHAPTER_PROCESSES[chapter]
     started = time.monotonic()

@@ -6,9 +6,17 @@ prefixes; in `a && b`, each part counts as a line) runs from its README's folder
 is `<!-- needs: <reason> -->` is skipped with that reason (GPUs, the Hub, a cluster). The test command
 (`python -m pytest ...`) is the one exception: running the suite inside the suite would recurse, so instead it
 must be exactly what CI runs (.ci/run).
+
+A command is not run twice in one session. These tests run last (conftest.py), and when an earlier test (of
+a chapter, a related topic, or this one for another README) ran the command's script on as many processes with
+every flag the command sets (its -e, --save-dir and --max-steps aside) and exited 0, the command is skipped with
+that test's name: a second launch would repeat 5-20 s of imports and prove nothing new. `pytest
+tests/test_docs.py` alone runs every command.
 """
 import os
 import re
+import runpy
+import shlex
 import signal
 import subprocess
 import sys
@@ -16,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, offline_env
+from conftest import ROOT, SUCCESSFUL_LAUNCHES, Launch, offline_env
 
 # related-topics/ holds a README per topic, one level further down.
 READMES = [ROOT / "README.md", *sorted(r for pattern in ("*/README.md", "related-topics/*/README.md")
@@ -108,6 +116,9 @@ def test_readme_command_runs(readme, command, needs, tmp_path):
     if needs is not None:
         assert needs, f"the `<!-- needs -->` marker before `{command}` in {name(readme)} gives no reason"
         pytest.skip(f"needs {needs}")
+    ran_by = earlier_launch(readme, command)
+    if ran_by is not None:
+        pytest.skip(f"{ran_by} ran this script on these processes with these flags")
     env = offline_env(tmp_path)
     # NOTE: `python` and `torchrun` must be this environment's, as they are for a reader with the venv active.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
@@ -124,6 +135,68 @@ def test_readme_command_runs(readme, command, needs, tmp_path):
         f"`{full_command}` in {name(readme)} exited {process.returncode}\n--- stdout\n{stdout[-3000:]}"
         f"\n--- stderr\n{stderr[-5000:]}"
     )
+    launch = as_launch(readme, command)
+    if launch is not None:
+        SUCCESSFUL_LAUNCHES.append(launch)
+
+
+# The flags that say where a run writes and how long it runs, not what it trains.
+NOT_COMPARED = {"experiment_name", "save_dir", "max_steps"}
+
+
+def as_launch(readme, command):
+    """The command as a Launch (`python script flags` or `torchrun --nproc_per_node=N script flags`, after any
+    `VAR=value` that the tests' environment has too), or None for any other form, which always runs."""
+    words = shlex.split(command)
+    test_environment = offline_env(readme.parent)
+    while re.fullmatch(r"\w+=\S*", words[0]):
+        variable, _, value = words.pop(0).partition("=")
+        if test_environment.get(variable) != value:
+            return None
+    if words[0] == "python" and len(words) > 1:
+        nproc, rest = None, words[1:]
+    elif words[0] == "torchrun" and len(words) > 2 and re.fullmatch(r"--nproc_per_node=\d+", words[1]):
+        nproc, rest = int(words[1].split("=")[1]), words[2:]
+    else:
+        return None
+    return Launch((readme.parent / rest[0]).resolve(), nproc, rest[1:], f"tests/test_docs.py ({name(readme)})")
+
+
+def earlier_launch(readme, command):
+    """The test whose successful launch in this session already ran the command (see the module docstring)."""
+    wanted = as_launch(readme, command)
+    if wanted is None:
+        return None
+    earlier = [launch for launch in SUCCESSFUL_LAUNCHES
+               if launch.script == wanted.script and launch.nproc == wanted.nproc]
+    get_parser = runpy.run_path(str(wanted.script)).get("get_parser") if earlier else None
+    if get_parser is None:  # without a parser to read its flags, the command runs
+        return None
+    parser = get_parser()
+
+    def parsed(args):
+        try:
+            return vars(parser.parse_args(args))
+        except SystemExit:  # bad flags: a command with them fails when it runs
+            return None
+
+    wanted_flags, defaults = parsed(wanted.args), parsed([])
+    if wanted_flags is None:
+        return None
+    set_here = {key: value for key, value in wanted_flags.items()
+                if value != defaults[key] and key not in NOT_COMPARED}
+    for launch in earlier:
+        flags = parsed(launch.args)
+        if flags is not None and all(flags[key] == value for key, value in set_here.items()):
+            return launch.test
+    return None
+    defaults = vars(parser.parse_args([]))
+    set_here = {key: value for key, value in wanted.flags.items()
+                if value != defaults[key] and key not in NOT_COMPARED}
+    for launch in earlier:
+        if launch.flags is not None and all(launch.flags[key] == value for key, value in set_here.items()):
+            return launch.test
+    return None
 
 
 def test_readme_test_command_is_what_ci_runs():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import transformers
 
-from conftest import ROOT, offline_env
+from conftest import ROOT, offline_env, record_launch
 
 SCRIPT = ROOT / "related-topics" / "data-loading" / "tokenize_once.py"
 SEQ_LENGTH = 32
@@ -26,6 +26,7 @@ def two_ranks(tmp_path_factory, tiny_dataset):
     done = subprocess.run(command, cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    record_launch(SCRIPT, 2, command[6:])
     return done, tmp_path / "cache"
 
 

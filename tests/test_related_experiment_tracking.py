@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, offline_env, wandb_records
+from conftest import ROOT, offline_env, record_launch, wandb_records
 
 SCRIPT = ROOT / "related-topics" / "experiment-tracking" / "train_wandb_modes.py"
 STEPS = 6
@@ -50,6 +50,8 @@ def launch(tmp_path, mode, steps, experiment, nnodes=1, nproc=2, timeout=180):
                 os.killpg(process.pid, signal.SIGKILL)
         pytest.fail(f"{mode} on {nnodes} x {nproc} hung for {timeout} s")
     assert [p.returncode for p in processes] == [0] * nnodes, "\n".join(o[-3000:] for o in outputs)
+    if nnodes == 1:
+        record_launch(SCRIPT, nproc, args[1:])
     return tmp_path / "outputs" / experiment
 
 

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from conftest import INJECT, ROOT, max_weight_diff, offline_env, run_chapter
+from conftest import INJECT, ROOT, max_weight_diff, offline_env, record_launch, run_chapter
 
 TOPIC = ROOT / "related-topics" / "gradient-accumulation"
 SCRIPT = TOPIC / "train_llm.py"
@@ -95,6 +95,7 @@ def test_dividing_by_the_global_token_count_is_right_and_by_k_is_wrong_when_toke
         os.killpg(process.pid, signal.SIGKILL)
         pytest.fail(f"check_accumulation.py hung for 240 s\n{process.communicate()[1][-3000:]}")
     assert process.returncode == 0, stderr[-3000:]
+    record_launch(command[5], 2, command[6:])
     results = json.loads((tmp_path / "check_accumulation.json").read_text())
 
     assert len(set(results["tokens_per_micro_batch"])) > 1, results  # the counts differ

@@ -190,13 +190,6 @@ def earlier_launch(readme, command):
         if flags is not None and all(flags[key] == value for key, value in set_here.items()):
             return launch.test
     return None
-    defaults = vars(parser.parse_args([]))
-    set_here = {key: value for key, value in wanted.flags.items()
-                if value != defaults[key] and key not in NOT_COMPARED}
-    for launch in earlier:
-        if launch.flags is not None and all(launch.flags[key] == value for key, value in set_here.items()):
-            return launch.test
-    return None
 
 
 def test_readme_test_command_is_what_ci_runs():

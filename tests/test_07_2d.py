@@ -1,8 +1,8 @@
 """Chapter 07: FSDP2 over dp x tensor parallelism over tp trains the same model to the same numbers as chapter 01
 on one process at the global batch (dp * -b), for a Llama on (dp, tp) = (2, 2), (1, 2) and (2, 1) and a Qwen3
-(per-head norms) on (2, 2), from pretrained and from fresh weights, in fp32 and (to bf16 rounding) in bf16; each rank
-holds 1/(dp * tp) of every matrix and of its Adam state; a run stopped by SIGTERM resumes to the uninterrupted
-losses, also on another layout; a --tp that does not divide the ranks fails with one line.
+(per-head norms) on (2, 2), from pretrained and from fresh weights, in fp32 and (to bf16 rounding) in bf16;
+each rank holds 1/(dp * tp) of every matrix and of its Adam state; a run stopped by SIGTERM resumes to the
+uninterrupted losses, also on another layout; a --tp that does not divide the ranks fails with one line.
 
 Tolerances (fp32 on CPU): losses 1e-5, gradient norms 1e-4 relative, weights 1e-4. The ranks sum partial results
 in another order than one process does; measured differences are at most 1e-6 (loss) and 3e-6 (weights) after 10

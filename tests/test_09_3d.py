@@ -1,8 +1,9 @@
 """Chapter 09: pipeline x FSDP2 x tensor parallelism on a (pp, dp, tp) mesh trains the same model to the same
 numbers as chapter 01 on one process at the global batch (dp * -b): at (pp, dp, tp) = (2, 1, 2) for a Granite
 (a Llama that scales outside its layers), (2, 2, 1) for a Qwen3 whose embedding is tied to its head, and
-(2, 1, 2) for a Llama under the interleaved schedule, also compiled on 2 ranks; a run stopped by SIGTERM resumes to the uninterrupted losses, also on another layout; sizes whose
-product is not the number of ranks fail with one line.
+(2, 1, 2) for a Llama under the interleaved schedule, also compiled on 2 ranks; a run stopped by SIGTERM
+resumes to the uninterrupted losses, also on another layout; sizes whose product is not the number of ranks
+fail with one line.
 
 Tolerances (fp32 on CPU): losses 1e-5, gradient norms 1e-4 relative, weights 1e-4 (measured: 1e-6, 3e-6).
 """

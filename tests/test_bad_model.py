@@ -11,8 +11,9 @@ import pytest
 
 from conftest import run_chapter, write_tiny_model
 
-# chapter: processes (None: plain python)
-CHAPTER_PROCESSES = {"01": None, "02": 2, "04": 2, "05": 2, "06": 2, "07": 2, "08": 2, "09": 2}
+# chapter: processes (None: plain python), for the chapters that load weights their own way; 06-09 load them with
+# chapter 02's build_model, the same text (tests/test_chapter_diffs.py).
+LOADING_CHAPTERS = {"01": None, "02": 2, "04": 2, "05": 2}
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +26,9 @@ def model_without_weights(tiny_model, tmp_path_factory):
     return folder
 
 
-# Chapters 06-09 load weights with chapter 02's build_model, the same text (tests/test_chapter_diffs.py).
-@pytest.mark.parametrize("chapter", ["01", "02", "04", "05"])
+@pytest.mark.parametrize("chapter", LOADING_CHAPTERS)
 def test_missing_pretrained_weights_give_every_rank_one_line(chapter, model_without_weights, tmp_path):
-    nproc = CHAPTER_PROCESSES[chapter]
+    nproc = LOADING_CHAPTERS[chapter]
     started = time.monotonic()
     run = run_chapter(chapter, ["-m", model_without_weights, "--from-pretrained", "--max-steps", 2], tmp_path,
                       nproc=nproc, expect_ok=False, timeout=120)

@@ -214,6 +214,7 @@ def main():
                 "tokens_per_s": tokens_per_s,
                 "peak_memory_gb": peak_memory_gb(device),
             }
+            exit_if_diverged(state["step"], mean_loss, metrics["grad_norm"])
             if peak_flops is not None:
                 # tokens_per_s counts the tokens of all ranks, so the peak is that of all their GPUs.
                 metrics["mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
@@ -229,6 +230,7 @@ def main():
             # The window's losses are this rank's; the checkpoint keeps their mean over ranks.
             dist.all_reduce(running_loss, op=dist.ReduceOp.AVG)
             state["loss_window"] = [running_loss.item(), steps_since_log]
+            exit_if_diverged(state["step"], state["loss_window"][0], grad_norm.item())
             # Each rank holds different slices, so every rank writes its own part of the checkpoint.
             save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
             # The others wait for rank 0's save: once any rank exits, torchrun stops the whole job.
@@ -650,6 +652,17 @@ def peak_memory_gb(device):
     # On CPU the process's peak resident memory is the honest number (ru_maxrss: KiB on Linux, bytes on macOS).
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+
+
+def exit_if_diverged(step, loss, grad_norm):
+    """A NaN or infinite loss or gradient norm makes the weights NaN from this step on: stop before a checkpoint
+    keeps them, and say so (a NaN loss in the log alone is easy to miss)."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        sys.exit(
+            f"error: training diverged at step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g}) and no "
+            "checkpoint holds it; train again with a lower --lr under a new -e (this experiment resumes with its "
+            "own --lr and diverges again)"
+        )
 
 
 def log_metrics(path, metrics, progress):

@@ -13,6 +13,8 @@ INJECT=shard-bytes    after the k-th step, print "rank r: shard_bytes {json}": t
                       and optimizer state this rank holds, and those of the whole model
 INJECT=count-all-reduce  at exit, print "rank r: all_reduce_calls N": the script's own dist.all_reduce calls
 INJECT=sigkill        SIGKILL this rank right after its k-th optimizer step (the OOM killer, a segfault)
+INJECT=nan          fill every weight this rank holds with NaN right after its k-th optimizer step (training
+                      that diverged: the next forward pass gives a NaN loss)
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -85,6 +87,12 @@ def after_optimizer_step(optimizer, args, kwargs):
         return
     # The wall-clock time lets a test measure how long the job takes to end after the fault.
     say(f"{what} on rank {rank} after step {steps_done} at {time.time():.3f}")
+    if what == "nan":
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    (param.to_local() if isinstance(param, DTensor) else param).fill_(float("nan"))
+        return
     if what == "raise":
         raise RuntimeError(f"injected failure on rank {rank} after step {steps_done}")
     if what == "sigkill":
@@ -93,7 +101,7 @@ def after_optimizer_step(optimizer, args, kwargs):
         os.kill(os.getpid(), signal.SIGTERM if what == "sigterm" else signal.SIGINT)
 
 
-if what in ("sigterm", "sigint", "sigint-twice", "raise", "shard-bytes", "sigkill", "slow-alone"):
+if what in ("sigterm", "sigint", "sigint-twice", "raise", "nan", "shard-bytes", "sigkill", "slow-alone"):
     register_optimizer_step_post_hook(after_optimizer_step)
 elif what == "kill-in-save":
     real_save, saves_done = torch.save, 0

@@ -1,6 +1,6 @@
 """A model whose weights cannot be loaded, a model the parallel plans are not written for, a tokenizer with more
-tokens than the model has embeddings, a checkpoint of the other format under the same -e, or one resumed on
-other data, stops every chapter the same way: one line on every rank that names the problem and the fix, a
+tokens than the model has embeddings, a checkpoint of the other format under the same -e, one resumed on
+other data, or training that diverges (a NaN loss) stops every chapter the same way: one line on every rank that names the problem and the fix, a
 non-zero exit within seconds, no traceback from the script, no gloo error from a rank left waiting in a
 collective."""
 import re
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import run_chapter, write_tiny_model
+from conftest import INJECT, inject_env, run_chapter, write_tiny_model
 
 # chapter: processes (None: plain python), for the chapters that load weights their own way; 06-09 load them with
 # chapter 02's build_model, the same text (tests/test_chapter_diffs.py).
@@ -97,3 +97,28 @@ def test_a_tokenizer_beyond_the_embedding_gives_every_rank_one_line(tmp_path):
     run = run_chapter("02", ["-m", model, "--max-steps", 2], tmp_path, nproc=2, expect_ok=False, timeout=120)
     assert_every_rank_prints_one_line(run, r"error: the tokenizer of [^\n]* has 259 tokens, more than the model's "
                                            r"200 embeddings; pass [^\n]*")
+
+
+# chapter: (processes, layout flags, the rank whose weights turn NaN after step 3, --log-freq). With --log-freq 1
+# the step-4 log line finds the NaN loss; with 10 no line is due, and the step-4 checkpoint must find it.
+DIVERGING = {
+    "01": (None, [], 0, 1),
+    "02": (2, [], 1, 10),
+    "04": (2, [], 0, 1),
+    "06": (2, [], 1, 10),
+    "08": (2, [], 0, 1),
+    "09": (2, ["--pp", 2, "--tp", 1], 1, 10),
+}
+
+
+@pytest.mark.parametrize("chapter", DIVERGING)
+def test_diverged_training_stops_every_rank_before_a_checkpoint_keeps_it(chapter, common_args, tmp_path):
+    nproc, layout, nan_rank, log_freq = DIVERGING[chapter]
+    args = [*common_args, *layout, "--max-steps", 8, "--ckpt-freq", 2, "--log-freq", log_freq]
+    run = run_chapter(chapter, args, tmp_path, nproc=nproc, expect_ok=False, timeout=120, script=INJECT,
+                      env=inject_env(chapter, "nan", rank=nan_rank, after_step=3))
+    assert_every_rank_prints_one_line(
+        run, r"error: training diverged at step 4 \(loss nan, gradient norm nan\) and no checkpoint holds it; "
+        r"train again with a lower --lr under a new -e[^\n]*", nproc=nproc or 1)
+    assert sorted(path.name for path in (run.exp_dir / "checkpoints").iterdir()) == ["step-00000002"]
+    assert [m["step"] for m in run.metrics] == ([1, 2, 3] if log_freq == 1 else [])

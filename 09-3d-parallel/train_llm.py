@@ -346,7 +346,8 @@ def get_parser():
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="compute dtype (default: bfloat16 on GPUs that have it, else float32); "
                              "weights stay float32")
-    parser.add_argument("--attn-implementation", default="sdpa", help="sdpa, eager or flash_attention_2")
+    parser.add_argument("--attn-implementation", default=None,
+                        help="sdpa, eager or flash_attention_2 (default: sdpa, or eager if the model lacks it)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("-e", "--experiment-name", default="default",
                         help="name of the run; relaunching the same name resumes it")

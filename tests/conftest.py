@@ -165,20 +165,22 @@ def inject_env(chapter, what, rank=None, after_step=None):
 
 
 def write_tiny_model(path, seed=0, architecture="llama", **overrides):
-    """A randomly initialised tiny Llama, Qwen3 (per-head q/k norms), Gemma 3 (also norms around the MLP, a
-    scaled embedding), Granite (embeddings, residuals and logits scaled outside the layers; logits x2, not
-    Granite 3's /16, so that it learns in a few steps) or GPT-NeoX (not the Llama layout), with a byte
-    tokenizer, saved like any Hub checkpoint."""
+    """A randomly initialised tiny Llama, Qwen3 (per-head q/k norms), Gemma 2 (no sdpa in transformers: eager
+    attention with soft-capped scores), Gemma 3 (also norms around the MLP, a scaled embedding), Granite
+    (embeddings, residuals and logits scaled outside the layers; logits x2, not Granite 3's /16, so that it
+    learns in a few steps) or GPT-NeoX (not the Llama layout), with a byte tokenizer, saved like any Hub
+    checkpoint."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     config_class = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
+                    "gemma2": transformers.Gemma2Config,
                     "gemma3": transformers.Gemma3TextConfig, "granite": transformers.GraniteConfig,
                     "gpt_neox": transformers.GPTNeoXConfig}[architecture]
     sizes = {**TINY_LLAMA, **overrides}
-    # Qwen3's and Gemma 3's head_dim is its own setting (default 128, 256), not hidden_size / heads.
-    if architecture in ("qwen3", "gemma3"):
+    # Qwen3's and Gemma's head_dim is its own setting (default 128, 256), not hidden_size / heads.
+    if architecture in ("qwen3", "gemma2", "gemma3"):
         sizes.setdefault("head_dim", sizes["hidden_size"] // sizes["num_attention_heads"])
     if architecture == "granite":
         sizes = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 0.5,

@@ -72,11 +72,12 @@ def test_tp_matches_single_process_loss_and_weights(nproc, single_process, commo
 
 
 @pytest.mark.parametrize("architecture,overrides", [
-    ("qwen3", {}), ("gemma3", {}), ("llama", {"tie_word_embeddings": True}),
-], ids=["qwen3-per-head-norms", "gemma3-norms-around-the-mlp", "llama-tied-embeddings"])
+    ("qwen3", {}), ("gemma2", {}), ("gemma3", {}), ("llama", {"tie_word_embeddings": True}),
+], ids=["qwen3-per-head-norms", "gemma2-without-sdpa", "gemma3-norms-around-the-mlp", "llama-tied-embeddings"])
 def test_other_architectures_match_single_process(architecture, overrides, common_args, launch_once, tmp_path):
     """Qwen3 normalises each head's queries and keys (q_norm, k_norm: parameters a Llama plan does not place),
-    Gemma 3 also the MLP's input and output; a tied model shares one matrix between embedding and head."""
+    Gemma 3 also the MLP's input and output; a tied model shares one matrix between embedding and head. Gemma 2
+    has no sdpa attention in transformers: both scripts must pick eager by default."""
     model = write_tiny_model(tmp_path / architecture, architecture=architecture, **overrides)
     args = [*common_args, *PARITY, "-m", model]
     assert_same_training(run_chapter("06", args, tmp_path, nproc=2, experiment="tp"),

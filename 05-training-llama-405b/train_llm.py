@@ -543,7 +543,10 @@ def load_pretrained_weights(model, model_name):
     params = dict(model.named_parameters())
     for name, param in params.items():
         if name not in file_of:
-            sys.exit(f"error: {model_name!r} has no tensor {name}; is it a checkpoint of this model's config?")
+            sys.exit(
+                f"error: {model_name!r} has no tensor {name}: its files belong to another config, or transformers "
+                "renames or fuses them while loading (mixture-of-experts models), which only chapter 04 reads"
+            )
         if list(shape_of[name]) != list(param.shape):
             sys.exit(
                 f"error: {name} is {list(shape_of[name])} in {model_name!r} and {list(param.shape)} in its "

@@ -168,14 +168,14 @@ def write_tiny_model(path, seed=0, architecture="llama", **overrides):
     """A randomly initialised tiny Llama, Qwen3 (per-head q/k norms), Gemma 2 (no sdpa in transformers: eager
     attention with soft-capped scores), Gemma 3 (also norms around the MLP, a scaled embedding), Granite
     (embeddings, residuals and logits scaled outside the layers; logits x2, not Granite 3's /16, so that it
-    learns in a few steps) or GPT-NeoX (not the Llama layout), with a byte tokenizer, saved like any Hub
-    checkpoint."""
+    learns in a few steps), Mixtral (experts: one tensor each on disk, fused in the model) or GPT-NeoX (not the
+    Llama layout), with a byte tokenizer, saved like any Hub checkpoint."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
     config_class = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
-                    "gemma2": transformers.Gemma2Config,
+                    "gemma2": transformers.Gemma2Config, "mixtral": transformers.MixtralConfig,
                     "gemma3": transformers.Gemma3TextConfig, "granite": transformers.GraniteConfig,
                     "gpt_neox": transformers.GPTNeoXConfig}[architecture]
     sizes = {**TINY_LLAMA, **overrides}
@@ -187,8 +187,9 @@ def write_tiny_model(path, seed=0, architecture="llama", **overrides):
                  "attention_multiplier": 0.25, **sizes}
     config = config_class(**sizes)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    # transformers 5 loads a Granite checkpoint's tokenizer only from a tokenizer.json (a fast tokenizer).
-    tokenizer = byte_level_tokenizer() if architecture == "granite" else transformers.ByT5Tokenizer(extra_ids=0)
+    # transformers 5 loads a Granite or Mixtral checkpoint's tokenizer only from a tokenizer.json (a fast one).
+    tokenizer = (byte_level_tokenizer() if architecture in ("granite", "mixtral")
+                 else transformers.ByT5Tokenizer(extra_ids=0))
     tokenizer.save_pretrained(path)
     return path
 

@@ -91,6 +91,17 @@ def test_a_model_outside_the_llama_layout_gives_every_rank_one_line(chapter, tmp
                                            r"the Llama family [^\n]*GPTNeoXForCausalLM[^\n]*; use such a model")
 
 
+def test_weights_that_transformers_converts_while_loading_stop_chapter_05_with_one_line(tmp_path):
+    """Chapter 05 reads each weight's rows from the files by the name the model gives it; Mixtral's files keep one
+    tensor per expert, which transformers fuses into one while loading (chapter 04 loads it that way)."""
+    model = write_tiny_model(tmp_path / "mixtral", architecture="mixtral", num_local_experts=2,
+                             num_experts_per_tok=1)
+    run = run_chapter("05", ["-m", model, "--from-pretrained", "-s", 32, "--max-steps", 1], tmp_path, nproc=2,
+                      expect_ok=False, timeout=120)
+    assert_every_rank_prints_one_line(run, r"error: [^\n]*mixtral' has no tensor model\.layers\.0\.mlp\.[^\n]*"
+                                           r"renames or fuses them while loading[^\n]*only chapter 04 reads")
+
+
 def test_a_tokenizer_beyond_the_embedding_gives_every_rank_one_line(tmp_path):
     """Token ids past the embedding would fail in the forward (a device-side assert on CUDA): caught first."""
     model = write_tiny_model(tmp_path / "small-vocab", vocab_size=200)

@@ -18,7 +18,7 @@ CHAPTER_DIFFS = {
     ("02", "04"): (200, {"main", "make_device_mesh", "build_model", "shard_model", "transformer_blocks",
                          "initialize_weights", "load_pretrained_weights", "save_checkpoint", "load_checkpoint",
                          "export_hf", "get_parser"}),
-    ("04", "05"): (105, {"main", "get_parser", "build_model", "shard_model", "load_pretrained_weights"}),
+    ("04", "05"): (110, {"main", "get_parser", "build_model", "shard_model", "load_pretrained_weights"}),
     # Tensor parallelism replaces DDP and takes chapter 04's DCP checkpoints and export (BORROWED below).
     ("02", "06"): (200, {"main", "check_tensor_parallel_fits", "tensor_parallelize", "save_checkpoint",
                          "load_checkpoint", "export_hf"}),

@@ -7,6 +7,7 @@ the LR schedule or an RNG).
 """
 import contextlib
 import hashlib
+import io
 import math
 import re
 import resource
@@ -118,6 +119,26 @@ def test_exported_hf_model_gives_the_trained_models_logits(reference, tiny_model
         assert torch.equal(hf_model(input_ids).logits, trained.eval()(input_ids).logits)
     # ... and it is the trained model, not the starting weights.
     assert max_weight_diff(reference.exp_dir / "hf", tiny_model) > 1e-3
+
+
+def test_a_model_with_only_a_sentencepiece_tokenizer_trains(common_args, tiny_dataset, tmp_path):
+    """Llama 2 era repositories ship tokenizer.model without a tokenizer.json; transformers converts it with the
+    sentencepiece package (in requirements.txt), and without it the script stops at the tokenizer."""
+    import sentencepiece
+
+    model = write_tiny_model(tmp_path / "sentencepiece-llama", vocab_size=64)
+    for path in model.iterdir():
+        if path.name != "config.json" and not path.name.endswith(".safetensors"):
+            path.unlink()
+    spm_model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter((tiny_dataset / "part-0.txt").read_text().splitlines()), model_writer=spm_model,
+        vocab_size=64, model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2,
+    )
+    (model / "tokenizer.model").write_bytes(spm_model.getvalue())
+    (model / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizer", "eos_token": "</s>"}')
+    run = run_chapter("01", [*common_args, "-m", model, "--max-steps", 2], tmp_path)
+    assert [m["step"] for m in run.metrics] == [1, 2] and all(math.isfinite(loss) for loss in run.losses)
 
 
 def small_dataset(tmp_path):

@@ -35,6 +35,8 @@ def main():
     for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(stop_signal, lambda signum, frame: request_stop(stop_signals, signum))
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.exit("error: this script trains in one process: run it with python (chapter 02's runs under torchrun)")
     device = torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -121,6 +121,16 @@ def test_exported_hf_model_gives_the_trained_models_logits(reference, tiny_model
     assert max_weight_diff(reference.exp_dir / "hf", tiny_model) > 1e-3
 
 
+def test_under_torchrun_with_several_processes_it_stops_with_one_line(common_args, tmp_path):
+    """Two copies of a one-process script would each train the whole model into the same checkpoints. (The rank
+    that gets there first exits, and torchrun then stops the other, which may not have printed its line yet.)"""
+    run = run_chapter("01", [*common_args, "--max-steps", 2], tmp_path, nproc=2, expect_ok=False, timeout=120)
+    lines = re.findall(r"error: this script trains in one process: run it with python \(chapter 02's runs "
+                       r"under torchrun\)\n", run.stderr.split("\nFailures:\n")[0])
+    assert run.returncode != 0 and lines, run.stderr[-3000:]
+    assert not (run.exp_dir / "checkpoints").exists()
+
+
 def test_a_model_with_only_a_sentencepiece_tokenizer_trains(common_args, tiny_dataset, tmp_path):
     """Llama 2 era repositories ship tokenizer.model without a tokenizer.json; transformers converts it with the
     sentencepiece package (in requirements.txt), and without it the script stops at the tokenizer."""

@@ -88,6 +88,11 @@ def main():
     checkpoint_dir = usable_checkpoint(exp_dir)
     if checkpoint_dir is not None:
         state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags)
+        if state["step"] > total_steps:
+            sys.exit(
+                f"error: checkpoint {checkpoint_dir} is at step {state['step']}, past the last step of this run "
+                f"({total_steps}); pass a larger --max-steps or --num-epochs, or a new -e/--experiment-name"
+            )
         print(f"resumed from {checkpoint_dir} at step {state['step']}")
     metrics_path = os.path.join(exp_dir, "metrics.jsonl")
     truncate_metrics(metrics_path, after_step=state["step"])

@@ -139,6 +139,11 @@ def main():
     checkpoint_dir = run_on_rank_0(lambda: usable_checkpoint(exp_dir))
     if checkpoint_dir is not None:
         state = load_checkpoint(checkpoint_dir, stages, optimizer, lr_schedule, param_shapes, fixed_flags)
+        if state["step"] > total_steps:
+            sys.exit(
+                f"error: checkpoint {checkpoint_dir} is at step {state['step']}, past the last step of this run "
+                f"({total_steps}); pass a larger --max-steps or --num-epochs, or a new -e/--experiment-name"
+            )
         print(f"rank {rank}: resumed from {checkpoint_dir} at step {state['step']}")
     metrics_path = os.path.join(exp_dir, "metrics.jsonl")
     if rank == 0:

@@ -11,6 +11,7 @@ import io
 import math
 import re
 import resource
+import runpy
 import shutil
 import signal
 import time
@@ -19,7 +20,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import INJECT, inject_env, max_weight_diff, run_chapter, wandb_history, write_tiny_model
+from conftest import CHAPTERS, INJECT, inject_env, max_weight_diff, run_chapter, wandb_history, write_tiny_model
 
 # NOTE: 8 steps with a checkpoint every 2: long enough to stop in the middle, short enough for a test.
 EXACT = ["--max-steps", 8, "--ckpt-freq", 2]
@@ -211,6 +212,9 @@ RESUME_CHANGES = {
     "another-order": (["--seed", 1], "(--seed: 0 in the checkpoint, 1 now)"),
     # the saved schedule would keep the old peak learning rate
     "another-lr": (["--lr", 0.002], "(--lr: 0.001 in the checkpoint, 0.002 now)"),
+    # nothing left to train, and no export: it would end with status 0 having done nothing
+    "fewer-steps": (["--max-steps", 4],
+                    "is at step 8, past the last step of this run (4); pass a larger --max-steps"),
 }
 
 
@@ -228,6 +232,20 @@ def test_resuming_with_another_model_or_data_fails_and_keeps_the_checkpoint(case
     assert_fails_with_one_line(run, message, cost)
     assert hashlib.sha256(checkpoint.read_bytes()).hexdigest() == before
     assert len(run.losses) == 8, "the failed launch must not touch metrics.jsonl"
+
+
+def test_a_relaunch_with_more_steps_trains_on_over_the_stretched_schedule(reference, common_args, tmp_path):
+    """--max-steps may grow on resume (it is not a fixed flag): steps 9-10 train. Step 9 runs at the learning rate
+    the checkpoint's schedule set for it (the floor of the 8-step cosine), step 10 on the cosine over the new total
+    of 10 steps (peak --lr 1e-3, --warmup-steps 2 in common_args)."""
+    shutil.copytree(reference.exp_dir, tmp_path / "outputs" / "reference")
+    run = run_chapter("01", [*common_args, *EXACT, "--max-steps", 10], tmp_path, experiment="reference")
+    assert [m["step"] for m in run.metrics] == list(range(1, 11))
+    assert run.losses[:8] == reference.losses
+    schedule = runpy.run_path(str(CHAPTERS["01"] / "train_llm.py"))["warmup_then_cosine"]
+    assert run.metrics[8]["lr"] == pytest.approx(1e-3 * schedule(8, 2, 8), rel=1e-12)
+    assert run.metrics[9]["lr"] == pytest.approx(1e-3 * schedule(9, 2, 10), rel=1e-12)
+    assert run.metrics[9]["lr"] > run.metrics[8]["lr"]
 
 
 @contextlib.contextmanager

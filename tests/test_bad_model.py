@@ -60,6 +60,9 @@ UNRESUMABLE = {
     "dcp-into-one-file": ("04", [], "02", [], OTHER_FORMAT.format(r"sharded \(DCP\)", "one file")),
     "other-rows-02": ("02", [], "02", ["-s", 16], OTHER_ROWS),
     "other-rows-09": ("09", ["--pp", 2, "--tp", 1], "09", ["-s", 16], OTHER_ROWS),
+    "fewer-steps-04": ("04", [], "04", ["--max-steps", 1],
+                       r"error: checkpoint [^\n]*step-00000002 is at step 2, past the last step of this run "
+                       r"\(1\); [^\n]*"),
 }
 
 

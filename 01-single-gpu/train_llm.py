@@ -6,6 +6,7 @@
 Every later chapter starts from this file and adds one distributed technique to it.
 """
 import argparse
+import errno
 import json
 import math
 import os
@@ -579,16 +580,18 @@ def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
         return
     shutil.rmtree(partial_dir, ignore_errors=True)
     os.makedirs(partial_dir)
-    torch.save(
-        {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "lr_schedule": lr_schedule.state_dict(),
-            # The data order has its own generator; these cover anything random in the model (dropout).
-            "rng": rng_state(),
-        },
-        os.path.join(partial_dir, "checkpoint.pt"),
-    )
+    # Into a file object, not a path: a full disk then surfaces as its OSError, not as "unexpected pos".
+    with open(os.path.join(partial_dir, "checkpoint.pt"), "wb") as f:
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "lr_schedule": lr_schedule.state_dict(),
+                # The data order has its own generator; these cover anything random in the model (dropout).
+                "rng": rng_state(),
+            },
+            f,
+        )
     with open(os.path.join(partial_dir, "state.json"), "w") as f:
         json.dump({**state, "param_shapes": param_shapes}, f)
     write_manifest(partial_dir)
@@ -673,6 +676,16 @@ def one_line(error):
     return " ".join(str(error).split()) or type(error).__name__
 
 
+def full_disk_error(error):
+    """The OSError of a full disk (or quota) behind error, or None. torch.save reports it as "unexpected pos"
+    with the OSError as its context; DCP collects every rank's exceptions into one CheckpointException."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return error
+    causes = [error.__cause__, error.__context__]
+    causes += [exception for exception, _ in getattr(error, "failures", {}).values()]
+    return next(filter(None, (full_disk_error(cause) for cause in causes if cause is not None)), None)
+
+
 def report_exit(stop):
     """The exit code of sys.exit(code or "message"). A message is printed, as the interpreter does, and
     written where torchrun's failure summary shows it (instead of "To enable traceback see ...")."""
@@ -697,9 +710,16 @@ if __name__ == "__main__":
         exit_code = 0
     except SystemExit as stop:
         exit_code = report_exit(stop)
-    except Exception:
-        traceback.print_exc()
-        exit_code = 1
+    except BaseException as error:  # not only Exception: DCP raises a CheckpointException
+        full_disk = full_disk_error(error)
+        if full_disk is None:
+            traceback.print_exc()
+            exit_code = 1
+        else:
+            exit_code = report_exit(SystemExit(
+                f"error: the disk is full ({one_line(full_disk)}); free space under --save-dir or pass another, "
+                "then relaunch the same command (the last complete checkpoint is intact)"
+            ))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

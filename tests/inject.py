@@ -15,6 +15,8 @@ INJECT=count-all-reduce  at exit, print "rank r: all_reduce_calls N": the script
 INJECT=sigkill        SIGKILL this rank right after its k-th optimizer step (the OOM killer, a segfault)
 INJECT=nan          fill every weight this rank holds with NaN right after its k-th optimizer step (training
                       that diverged: the next forward pass gives a NaN loss)
+INJECT=fill-disk    fill the file system of the folder INJECT_FILL_DIR right after the k-th optimizer step (a
+                      file "filler" there takes all its free space), so that the next write there fails
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -28,9 +30,11 @@ import io
 import json
 import os
 import runpy
+import shutil
 import signal
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -87,6 +91,10 @@ def after_optimizer_step(optimizer, args, kwargs):
         return
     # The wall-clock time lets a test measure how long the job takes to end after the fault.
     say(f"{what} on rank {rank} after step {steps_done} at {time.time():.3f}")
+    if what == "fill-disk":
+        with open(os.path.join(os.environ["INJECT_FILL_DIR"], "filler"), "wb") as filler:
+            os.posix_fallocate(filler.fileno(), 0, shutil.disk_usage(os.environ["INJECT_FILL_DIR"]).free)
+        return
     if what == "nan":
         with torch.no_grad():
             for group in optimizer.param_groups:
@@ -101,7 +109,8 @@ def after_optimizer_step(optimizer, args, kwargs):
         os.kill(os.getpid(), signal.SIGTERM if what == "sigterm" else signal.SIGINT)
 
 
-if what in ("sigterm", "sigint", "sigint-twice", "raise", "nan", "shard-bytes", "sigkill", "slow-alone"):
+if what in ("sigterm", "sigint", "sigint-twice", "raise", "nan", "fill-disk", "shard-bytes", "sigkill",
+            "slow-alone"):
     register_optimizer_step_post_hook(after_optimizer_step)
 elif what == "kill-in-save":
     real_save, saves_done = torch.save, 0
@@ -113,7 +122,8 @@ elif what == "kill-in-save":
             return real_save(obj, f, *args, **kwargs)
         buffer = io.BytesIO()
         real_save(obj, buffer, *args, **kwargs)
-        with open(f, "wb") as out:
+        # The scripts pass an open file (a full disk then raises its OSError); a path would work too.
+        with (nullcontext(f) if hasattr(f, "write") else open(f, "wb")) as out:
             out.write(buffer.getvalue()[: len(buffer.getvalue()) // 2])
             out.flush()
             os.fsync(out.fileno())

@@ -1,10 +1,12 @@
 """A model whose weights cannot be loaded, a model the parallel plans are not written for, a tokenizer with more
 tokens than the model has embeddings, a checkpoint of the other format under the same -e, one resumed on
-other data, or training that diverges (a NaN loss) stops every chapter the same way: one line on every rank that names the problem and the fix, a
+other data, training that diverges (a NaN loss), or a full disk stops every chapter the same way: one line on every rank that names the problem and the fix, a
 non-zero exit within seconds, no traceback from the script, no gloo error from a rank left waiting in a
 collective."""
+import os
 import re
 import shutil
+import subprocess
 import time
 
 import pytest
@@ -136,3 +138,41 @@ def test_diverged_training_stops_every_rank_before_a_checkpoint_keeps_it(chapter
         r"train again with a lower --lr under a new -e[^\n]*", nproc=nproc or 1)
     assert sorted(path.name for path in (run.exp_dir / "checkpoints").iterdir()) == ["step-00000002"]
     assert [m["step"] for m in run.metrics] == ([1, 2, 3] if log_freq == 1 else [])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 MiB file system of its own (a tmpfs), so that a test can fill it."""
+    folder = tmp_path / "small-disk"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", folder]).returncode:
+        pytest.skip("needs root to mount a small tmpfs (CI runs as root)")
+    yield folder
+    subprocess.run(["umount", "--lazy", folder], check=True)
+
+
+# chapter: processes. 02's rank 0 writes the one checkpoint file alone; 04's ranks all write theirs (DCP).
+FULL_DISK = {"01": None, "02": 2, "04": 2}
+
+
+@pytest.mark.parametrize("chapter", FULL_DISK)
+def test_a_full_disk_stops_with_one_line_and_a_relaunch_resumes(chapter, common_args, small_disk, tmp_path):
+    nproc = FULL_DISK[chapter]
+    args = [*common_args, "--max-steps", 6, "--ckpt-freq", 2, "--save-dir", small_disk]
+    env = {**inject_env(chapter, "fill-disk", rank=0, after_step=3), "INJECT_FILL_DIR": str(small_disk)}
+    run = run_chapter(chapter, args, tmp_path, nproc=nproc, expect_ok=False, timeout=120, script=INJECT, env=env)
+    assert run.returncode != 0
+    lines = re.findall(r"error: the disk is full \(\[Errno 28\] No space left on device[^\n]*\); free space under "
+                       r"--save-dir or pass another, then relaunch the same command \(the last complete checkpoint "
+                       r"is intact\)\n", run.worker_stderr)
+    # every rank that writes says it; in chapter 02 rank 1 writes nothing and is stopped by torchrun
+    assert len(lines) == (2 if chapter == "04" else 1), run.stderr[-3000:]
+    if chapter != "02":
+        assert 'train_llm.py", line' not in run.stderr, run.stderr[-3000:]
+    checkpoints = small_disk / "test" / "checkpoints"
+    assert "step-00000002" in os.listdir(checkpoints)
+
+    (small_disk / "filler").unlink()
+    resumed = run_chapter(chapter, args, tmp_path, nproc=nproc, timeout=120)
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+    assert sorted(os.listdir(checkpoints)) == ["step-00000004", "step-00000006"]

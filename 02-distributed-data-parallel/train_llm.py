@@ -748,7 +748,9 @@ def full_disk_error(error):
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
         return error
     causes = [error.__cause__, error.__context__]
-    causes += [exception for exception, _ in getattr(error, "failures", {}).values()]
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict):
+        causes += [failure[0] for failure in failures.values()]
     return next(filter(None, (full_disk_error(cause) for cause in causes if cause is not None)), None)
 
 

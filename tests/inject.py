@@ -13,9 +13,9 @@ INJECT=shard-bytes    after the k-th step, print "rank r: shard_bytes {json}": t
                       and optimizer state this rank holds, and those of the whole model
 INJECT=count-all-reduce  at exit, print "rank r: all_reduce_calls N": the script's own dist.all_reduce calls
 INJECT=sigkill        SIGKILL this rank right after its k-th optimizer step (the OOM killer, a segfault)
-INJECT=nan          fill every weight this rank holds with NaN right after its k-th optimizer step (training
+INJECT=nan            fill every weight this rank holds with NaN right after its k-th optimizer step (training
                       that diverged: the next forward pass gives a NaN loss)
-INJECT=fill-disk    fill the file system of the folder INJECT_FILL_DIR right after the k-th optimizer step (a
+INJECT=fill-disk      fill the file system of the folder INJECT_FILL_DIR right after the k-th optimizer step (a
                       file "filler" there takes all its free space), so that the next write there fails
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it

@@ -17,6 +17,7 @@ import signal
 import time
 
 import pytest
+import sentencepiece
 import torch
 import transformers
 
@@ -127,7 +128,7 @@ def test_under_torchrun_with_several_processes_it_stops_with_one_line(common_arg
     that gets there first exits, and torchrun then stops the other, which may not have printed its line yet.)"""
     run = run_chapter("01", [*common_args, "--max-steps", 2], tmp_path, nproc=2, expect_ok=False, timeout=120)
     lines = re.findall(r"error: this script trains in one process: run it with python \(chapter 02's runs "
-                       r"under torchrun\)\n", run.stderr.split("\nFailures:\n")[0])
+                       r"under torchrun\)\n", run.worker_stderr)
     assert run.returncode != 0 and lines, run.stderr[-3000:]
     assert not (run.exp_dir / "checkpoints").exists()
 
@@ -135,8 +136,6 @@ def test_under_torchrun_with_several_processes_it_stops_with_one_line(common_arg
 def test_a_model_with_only_a_sentencepiece_tokenizer_trains(common_args, tiny_dataset, tmp_path):
     """Llama 2 era repositories ship tokenizer.model without a tokenizer.json; transformers converts it with the
     sentencepiece package (in requirements.txt), and without it the script stops at the tokenizer."""
-    import sentencepiece
-
     model = write_tiny_model(tmp_path / "sentencepiece-llama", vocab_size=64)
     for path in model.iterdir():
         if path.name != "config.json" and not path.name.endswith(".safetensors"):

@@ -1,8 +1,8 @@
 """A model whose weights cannot be loaded, a model the parallel plans are not written for, a tokenizer with more
 tokens than the model has embeddings, a checkpoint of the other format under the same -e, one resumed on
-other data, training that diverges (a NaN loss), or a full disk stops every chapter the same way: one line on every rank that names the problem and the fix, a
-non-zero exit within seconds, no traceback from the script, no gloo error from a rank left waiting in a
-collective."""
+other data, training that diverges (a NaN loss), or a full disk stops every chapter the same way: one line on
+every rank (that meets the problem) that names the problem and the fix, a non-zero exit within seconds, no
+traceback from the script, no gloo error from a rank left waiting in a collective."""
 import os
 import re
 import shutil
@@ -161,14 +161,14 @@ def test_a_full_disk_stops_with_one_line_and_a_relaunch_resumes(chapter, common_
     args = [*common_args, "--max-steps", 6, "--ckpt-freq", 2, "--save-dir", small_disk]
     env = {**inject_env(chapter, "fill-disk", rank=0, after_step=3), "INJECT_FILL_DIR": str(small_disk)}
     run = run_chapter(chapter, args, tmp_path, nproc=nproc, expect_ok=False, timeout=120, script=INJECT, env=env)
-    assert run.returncode != 0
-    lines = re.findall(r"error: the disk is full \(\[Errno 28\] No space left on device[^\n]*\); free space under "
-                       r"--save-dir or pass another, then relaunch the same command \(the last complete checkpoint "
-                       r"is intact\)\n", run.worker_stderr)
-    # every rank that writes says it; in chapter 02 rank 1 writes nothing and is stopped by torchrun
-    assert len(lines) == (2 if chapter == "04" else 1), run.stderr[-3000:]
-    if chapter != "02":
-        assert 'train_llm.py", line' not in run.stderr, run.stderr[-3000:]
+    pattern = (r"error: the disk is full \(\[Errno 28\] No space left on device[^\n]*\); free space under "
+               r"--save-dir or pass another, then relaunch the same command \(the last complete checkpoint is "
+               r"intact\)")
+    if chapter == "02":
+        # rank 0 alone writes, and says it; torchrun then stops rank 1, which was waiting in the next step
+        assert run.returncode != 0 and len(re.findall(pattern, run.worker_stderr)) == 1, run.stderr[-3000:]
+    else:
+        assert_every_rank_prints_one_line(run, pattern, nproc=nproc or 1)
     checkpoints = small_disk / "test" / "checkpoints"
     assert "step-00000002" in os.listdir(checkpoints)
 

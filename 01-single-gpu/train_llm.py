@@ -131,7 +131,8 @@ def main():
         state["samples_in_epoch"] += global_batch_size
         batch = to_device(data[batch_indices]["input_ids"], device)
         # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
-        input_ids, labels = batch[:, :-1], batch[:, 1:]
+        # NOTE: copies, not views: torch 2.11's pipeline stages (chapter 08) reject a view's strides.
+        input_ids, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
         with autocast:
             logits = model(input_ids=input_ids, use_cache=False).logits

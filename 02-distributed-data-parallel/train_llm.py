@@ -164,7 +164,8 @@ def main():
         local_indices = batch_indices[rank * args.batch_size : (rank + 1) * args.batch_size]
         batch = to_device(data[local_indices]["input_ids"], device)
         # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
-        input_ids, labels = batch[:, :-1], batch[:, 1:]
+        # NOTE: copies, not views: torch 2.11's pipeline stages (chapter 08) reject a view's strides.
+        input_ids, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
         with autocast:
             logits = model(input_ids=input_ids, use_cache=False).logits

@@ -190,7 +190,8 @@ def main():
         local_indices = batch_indices[dp_rank * args.batch_size : (dp_rank + 1) * args.batch_size]
         batch = to_device(data[local_indices]["input_ids"], device)
         # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
-        input_ids, labels = batch[:, :-1], batch[:, 1:]
+        # NOTE: copies, not views: torch 2.11's pipeline stages (chapter 08) reject a view's strides.
+        input_ids, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
         with autocast:
             logits = model(input_ids=input_ids, use_cache=False).logits
@@ -201,7 +202,11 @@ def main():
             loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
             loss.backward()
         # Every parameter is a DTensor on the 2D mesh, so the norm adds up the pieces of every rank, dp and tp.
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).full_tensor()
+        # NOTE: foreach=False: on torch 2.11 the fused in-place multiply that clips does nothing to a gradient
+        # still pending its all-reduce (Partial, the sequence-parallel norms'), so those would go unclipped.
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), args.max_grad_norm, foreach=False
+        ).full_tensor()
         optimizer.step()
         # Read before the schedule advances, so the logged lr is the one this step used.
         step_lr = lr_schedule.get_last_lr()[0]

@@ -241,7 +241,8 @@ def main():
         local_indices = batch_indices[dp_rank * args.batch_size : (dp_rank + 1) * args.batch_size]
         batch = to_device(data[local_indices]["input_ids"], device)
         # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
-        input_ids, labels = batch[:, :-1], batch[:, 1:]
+        # NOTE: copies, not views: torch 2.11's pipeline stages (chapter 08) reject a view's strides.
+        input_ids, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
         # One call runs forward and backward of every micro-batch, as in chapter 08. NOTE: the logits stay split
         # over the vocabulary, one slice per rank: loss_parallel computes the cross-entropy from the slices, and
@@ -723,7 +724,9 @@ def clip_grad_norm_over_stages(stages, max_norm, pp_group, skip=None):
     squared_norm = local_norm.full_tensor() ** 2
     dist.all_reduce(squared_norm, group=pp_group)
     total_norm = squared_norm.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm)
+    # NOTE: foreach=False: on torch 2.11 the fused in-place multiply does nothing to a gradient still pending its
+    # all-reduce (Partial, the sequence-parallel norms'), so those would go unclipped.
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total_norm, foreach=False)
     return total_norm
 
 

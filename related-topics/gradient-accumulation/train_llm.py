@@ -168,7 +168,8 @@ def main():
         local_indices = batch_indices[rank * rows_per_rank : (rank + 1) * rows_per_rank]
         batch = to_device(data[local_indices]["input_ids"], device)
         # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
-        input_ids, labels = batch[:, :-1], batch[:, 1:]
+        # NOTE: copies, not views: torch 2.11's pipeline stages (chapter 08) reject a view's strides.
+        input_ids, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
         # The tokens that count in the loss (labels other than ignore_index, -100) in all micro-batches of all
         # ranks. Packing never pads, so here they are always N x K x b x s; padding or masked prompts change that.

@@ -37,6 +37,7 @@ from tqdm import tqdm
 @record
 def main():
     args = get_parser().parse_args()
+    warn_if_torch_is_older_than_tested()
     # Schedulers (Slurm preemption, time limits) send a signal before they kill a job, and Ctrl-C sends SIGINT:
     # we finish the current step, save a checkpoint and exit, so a relaunch of the same command loses nothing.
     stop_signals = []
@@ -55,6 +56,9 @@ def main():
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # float32 matmuls (--dtype float32, and any outside autocast) run on TF32 tensor cores: several times
+        # faster, with a 10-bit mantissa that training tolerates. Weights and optimizer state stay float32.
+        torch.set_float32_matmul_precision("high")
     # nccl moves CUDA tensors between GPUs, gloo CPU tensors; device_id binds nccl to our GPU at once.
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
@@ -307,6 +311,20 @@ def positive_float(text):
     if not value > 0 or math.isinf(value):
         raise argparse.ArgumentTypeError(f"{text} is not a positive number")
     return value
+
+
+# The oldest and the newest torch release that CI trains every chapter on (.ci/run).
+TESTED_TORCH = ("2.11", "2.15")
+
+
+def warn_if_torch_is_older_than_tested():
+    # Rank 0 alone: under torchrun every rank would print the same line.
+    if torch.__version__ < TESTED_TORCH[0] and os.environ.get("RANK", "0") == "0":
+        print(
+            f"warning: torch {torch.__version__} is older than the releases these scripts are tested on "
+            f"({TESTED_TORCH[0]} to {TESTED_TORCH[1]}); if a step fails, install torch {TESTED_TORCH[0]} or newer",
+            file=sys.stderr,
+        )
 
 
 def default_compute_dtype(device):

@@ -49,6 +49,7 @@ from tqdm import tqdm
 @record
 def main():
     args = get_parser().parse_args()
+    warn_if_torch_is_older_than_tested()
     # Schedulers (Slurm preemption, time limits) send a signal before they kill a job, and Ctrl-C sends SIGINT:
     # we finish the current step, save a checkpoint and exit, so a relaunch of the same command loses nothing.
     stop_signals = []
@@ -67,11 +68,14 @@ def main():
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # float32 matmuls (--dtype float32, and any outside autocast) run on TF32 tensor cores: several times
+        # faster, with a 10-bit mantissa that training tolerates. Weights and optimizer state stay float32.
+        torch.set_float32_matmul_precision("high")
     # nccl moves CUDA tensors between GPUs; gloo moves CPU tensors. device_id binds nccl to our GPU at once.
     # NOTE: a collective waits this long for a slow rank before it fails the job (NCCL: 10 minutes). At 405B
     # ranks meet again only after the load, and a rank whose files come from a busy shared filesystem can be
     # many minutes behind the others: see README.md.
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = process_group_backend(device, args.cpu_offload)
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
                             timeout=timedelta(minutes=args.timeout_minutes))
     mesh = make_device_mesh(device, world_size, args.replicate_degree)
@@ -333,11 +337,34 @@ def positive_float(text):
     return value
 
 
+# The oldest and the newest torch release that CI trains every chapter on (.ci/run).
+TESTED_TORCH = ("2.11", "2.15")
+
+
+def warn_if_torch_is_older_than_tested():
+    # Rank 0 alone: under torchrun every rank would print the same line.
+    if torch.__version__ < TESTED_TORCH[0] and os.environ.get("RANK", "0") == "0":
+        print(
+            f"warning: torch {torch.__version__} is older than the releases these scripts are tested on "
+            f"({TESTED_TORCH[0]} to {TESTED_TORCH[1]}); if a step fails, install torch {TESTED_TORCH[0]} or newer",
+            file=sys.stderr,
+        )
+
+
 def default_compute_dtype(device):
     # Not emulated: a GPU older than Ampere has no bf16 tensor cores, and emulated bf16 is slower than fp32.
     if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
         return "bfloat16"
     return "float32"
+
+
+def process_group_backend(device, cpu_offload):
+    """nccl moves CUDA tensors between GPUs, gloo CPU tensors."""
+    if device.type != "cuda":
+        return "gloo"
+    # NOTE: with --cpu-offload the weights and gradients are CPU tensors, and the gradient norm is all-reduced
+    # among them: nccl has no CPU path ("No backend type associated with device type cpu"), gloo takes those.
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
 def make_device_mesh(device, world_size, replicate_degree):
@@ -456,6 +483,12 @@ def build_model(args, config, device, mesh, compute_dtype):
     # to_empty gives each rank uninitialised storage for its shards and buffers (in CPU memory with --cpu-offload).
     model.to_empty(device="cpu" if args.cpu_offload else device)
     initialize_weights(model, mesh, args.seed)
+    if args.cpu_offload:
+        # Offloading keeps parameters in CPU memory between uses, and buffers there for good: RoPE's inv_freq
+        # would be copied to the GPU in every forward, and a buffer such as Gemma's embed_scale meet GPU tensors.
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
     if args.from_pretrained:
         load_pretrained_weights(model, args.model_name)
     return model

@@ -7,6 +7,7 @@ The reference is chapter 01 on the whole global batch of 8 sequences for 12 step
 """
 import json
 import re
+import runpy
 import shutil
 
 import pytest
@@ -262,6 +263,19 @@ def test_transformer_blocks_are_found_in_common_decoder_models(config_class):
     blocks = chapter.transformer_blocks(model)
     assert [type(block).__name__.endswith("DecoderLayer") for block in blocks] == [True] * 3
 
+
+
+@pytest.mark.parametrize("chapter", ["04", "05"])
+def test_cpu_offload_on_gpus_gives_the_cpu_tensors_gloo(chapter):
+    """Offloaded weights and gradients are CPU tensors whose norm is all-reduced: nccl alone raises "No backend
+    type associated with device type cpu" at the first step (with 2+ GPUs, so the one-GPU check cannot see it)."""
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    backend = runpy.run_path(str(CHAPTERS[chapter] / "train_llm.py"))["process_group_backend"]
+    gpu = torch.device("cuda", 0)
+    assert BackendConfig(backend(gpu, True)).get_device_backend_map() == {"cuda": "nccl", "cpu": "gloo"}
+    assert backend(gpu, False) == "nccl"
+    assert backend(torch.device("cpu"), True) == backend(torch.device("cpu"), False) == "gloo"
 
 def load_chapter_04():
     import importlib.util

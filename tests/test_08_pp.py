@@ -9,7 +9,7 @@ Tolerances (fp32 on CPU): losses 1e-5, gradient norms 1e-4 relative, weights 1e-
 
 import pytest
 
-from conftest import assert_same_training, load_weights, run_chapter, stop_then_resume
+from conftest import INJECT, assert_same_training, inject_env, load_weights, run_chapter, stop_then_resume
 
 BATCH = 8
 STEPS = 10
@@ -56,6 +56,15 @@ def test_a_tied_embedding_is_exported_once_as_the_head(launch):
     # HF writes a tied matrix once: a separate lm_head.weight would mean the two stages' copies were untied.
     assert "lm_head.weight" not in load_weights(ours.exp_dir / "hf")
 
+
+
+def test_the_schedule_keeps_no_micro_batch_outputs_after_a_step(common_args, models, tmp_path):
+    # By default a schedule keeps each micro-batch's logits on the last stage and joins them: memory the script
+    # never reads (4 GB a step for a 1B model at -b 8 -s 2048).
+    args = [*common_args, "-m", models["llama"], "--max-steps", 2, "-b", BATCH, "--schedule", "1f1b"]
+    run = run_chapter("08", args, tmp_path, nproc=2, script=INJECT, env=inject_env("08", "kept-outputs"))
+    for rank in (0, 1):
+        assert f"rank {rank}: kept_output_chunks 0 in 1 stages" in run.stdout, run.stdout[-2000:]
 
 def test_sigterm_then_relaunch_on_the_same_and_on_another_split_continues_the_uninterrupted_run(
     launch, common_args, models, tmp_path

@@ -10,7 +10,7 @@ Tolerances (fp32 on CPU): losses 1e-5, gradient norms 1e-4 relative, weights 1e-
 
 import pytest
 
-from conftest import assert_same_training, load_weights, run_chapter, stop_then_resume
+from conftest import INJECT, assert_same_training, inject_env, load_weights, run_chapter, stop_then_resume
 
 GLOBAL_BATCH = 8
 STEPS = 10
@@ -52,6 +52,15 @@ def test_3d_matches_single_process_at_the_global_batch(launch, model, pp, dp, tp
         # HF writes a tied matrix once: a separate lm_head.weight would mean the two stages' copies were untied.
         assert "lm_head.weight" not in load_weights(ours.exp_dir / "hf")
 
+
+
+def test_the_schedule_keeps_no_micro_batch_outputs_after_a_step(common_args, four_layer_models, tmp_path):
+    # As in chapter 08: by default the last stage would keep every micro-batch's logits after the step.
+    flags, nproc = on(2, 1, 1)
+    args = [*common_args, "-m", four_layer_models["llama"], "--max-steps", 2, *flags]
+    run = run_chapter("09", args, tmp_path, nproc=nproc, script=INJECT, env=inject_env("09", "kept-outputs"))
+    for rank in range(nproc):
+        assert f"rank {rank}: kept_output_chunks 0 in 1 stages" in run.stdout, run.stdout[-2000:]
 
 def test_compile_trains_as_single_process_does(launch, launch_once, common_args, four_layer_models):
     """--compile compiles each block of each stage, as chapter 07 does: on 2 pipeline ranks, whose blocks still

@@ -15,18 +15,18 @@ from conftest import CHAPTERS, TINY_LLAMA
 # technique (all others must be identical). The top README prints these numbers.
 CHAPTER_DIFFS = {
     ("01", "02"): (120, {"main", "run_on_rank_0"}),
-    ("02", "04"): (200, {"main", "make_device_mesh", "build_model", "shard_model", "transformer_blocks",
+    ("02", "04"): (220, {"main", "make_device_mesh", "build_model", "shard_model", "transformer_blocks",
                          "initialize_weights", "load_pretrained_weights", "save_checkpoint", "load_checkpoint",
                          "export_hf", "get_parser"}),
     ("04", "05"): (110, {"main", "get_parser", "build_model", "shard_model", "load_pretrained_weights"}),
     # Tensor parallelism replaces DDP and takes chapter 04's DCP checkpoints and export (BORROWED below).
-    ("02", "06"): (200, {"main", "check_tensor_parallel_fits", "tensor_parallelize", "save_checkpoint",
+    ("02", "06"): (205, {"main", "check_tensor_parallel_fits", "tensor_parallelize", "save_checkpoint",
                          "load_checkpoint", "export_hf"}),
     ("06", "07"): (60, {"main", "get_parser", "shard_model", "make_device_mesh", "check_tensor_parallel_fits"}),
     # A pipeline replaces the model's forward and backward with a schedule, and each rank's checkpoint part and
     # export cover its stages: chapter 04's DCP format, under the whole model's names.
-    ("02", "08"): (300, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf"}),
-    ("07", "09"): (345, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf"}),
+    ("02", "08"): (305, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf"}),
+    ("07", "09"): (355, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf"}),
 }
 # chapter: (the chapter whose text these helpers must be, the helpers)
 BORROWED = {"06": ("04", {"save_checkpoint", "load_checkpoint", "export_hf"})}

@@ -719,10 +719,11 @@ def training_flops_per_token(model, config, seq_length):
 
 
 # Dense bf16 tensor-core peaks from the datasheets (without sparsity). The first name found in the GPU's name
-# wins, so the longer names come first ("GH200" also contains "H200").
+# wins, so the longer names come first ("GH200" also contains "H200", "GB200" "B200").
 PEAK_BF16_FLOPS = [
-    ("GH200", 989e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12),
-    ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12),
+    ("GH200", 989e12), ("GB200", 2500e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12), ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12),
+    ("A10G", 70e12),
 ]
 
 

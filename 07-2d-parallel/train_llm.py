@@ -462,11 +462,16 @@ def check_tensor_parallel_fits(config, seq_length, tp_size):
     }
     not_dividing = [f"{size} {what}" for what, size in split_sizes.items() if size % tp_size]
     if not_dividing:
-        common = math.gcd(*split_sizes.values())
-        working = [str(n) for n in range(1, common + 1) if common % n == 0]
+        # The model's sizes fix which counts can work; -s can be changed to suit any of them.
+        model_common = math.gcd(*(size for what, size in split_sizes.items() if not what.startswith("tokens")))
+        counts = [n for n in range(1, model_common + 1) if model_common % n == 0]
+        working = ", ".join(str(n) for n in counts if seq_length % n == 0)
+        ways = [f"pass --tp {working} (these divide them all)"]
+        ways += [f"--tp {n} with -s {seq_length // n * n}"
+                 for n in counts if seq_length % n and seq_length > n]
         sys.exit(
             f"error: tensor parallelism over {tp_size} ranks splits sizes that do not divide by {tp_size}: "
-            f"{', '.join(not_dividing)}; pass --tp {', '.join(working)} (these divide them all)"
+            f"{', '.join(not_dividing)}; {', or '.join(ways)}"
         )
 
 
@@ -689,10 +694,11 @@ def training_flops_per_token(model, config, seq_length):
 
 
 # Dense bf16 tensor-core peaks from the datasheets (without sparsity). The first name found in the GPU's name
-# wins, so the longer names come first ("GH200" also contains "H200").
+# wins, so the longer names come first ("GH200" also contains "H200", "GB200" "B200").
 PEAK_BF16_FLOPS = [
-    ("GH200", 989e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12),
-    ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12),
+    ("GH200", 989e12), ("GB200", 2500e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12), ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12),
+    ("A10G", 70e12),
 ]
 
 

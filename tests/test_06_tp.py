@@ -162,3 +162,14 @@ def test_model_that_does_not_divide_fails_fast_on_every_rank_naming_every_size_a
     # Both ranks exit with the message (torchrun shows each failed rank's error), none hangs (timeout).
     assert run.worker_stderr.count(message) == 4, run.stderr[-3000:]
     assert not (run.exp_dir / "checkpoints").exists()
+
+
+def test_a_sequence_length_that_does_not_divide_is_named_as_a_way_out(tiny_dataset, tmp_path):
+    # The shape of SmolLM2-135M (9 heads, 3 key/value heads): 3 ranks split the model, -s 128 not; -s 126 would.
+    model = write_tiny_model(tmp_path / "nine-heads", hidden_size=144, num_attention_heads=9, num_key_value_heads=3,
+                             intermediate_size=384, vocab_size=288)
+    run = run_chapter("06", ["-m", model, "-d", tiny_dataset, "-s", 128], tmp_path, nproc=3, expect_ok=False)
+    message = ("error: tensor parallelism over 3 ranks splits sizes that do not divide by 3: 128 tokens per "
+               "sequence (-s, split by sequence parallelism); launch with --nproc_per_node 1 (these divide them "
+               "all), or --nproc_per_node 3 with -s 126")
+    assert run.worker_stderr.count(message) == 3, run.stderr[-3000:]

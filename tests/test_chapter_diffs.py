@@ -7,6 +7,7 @@ import runpy
 import subprocess
 
 import pytest
+import torch
 import transformers
 
 from conftest import CHAPTERS, TINY_LLAMA
@@ -20,7 +21,7 @@ CHAPTER_DIFFS = {
                          "export_hf", "get_parser"}),
     ("04", "05"): (110, {"main", "get_parser", "build_model", "shard_model", "load_pretrained_weights"}),
     # Tensor parallelism replaces DDP and takes chapter 04's DCP checkpoints and export (BORROWED below).
-    ("02", "06"): (205, {"main", "check_tensor_parallel_fits", "tensor_parallelize", "save_checkpoint",
+    ("02", "06"): (210, {"main", "check_tensor_parallel_fits", "tensor_parallelize", "save_checkpoint",
                          "load_checkpoint", "export_hf"}),
     ("06", "07"): (60, {"main", "get_parser", "shard_model", "make_device_mesh", "check_tensor_parallel_fits"}),
     # A pipeline replaces the model's forward and backward with a schedule, and each rank's checkpoint part and
@@ -112,3 +113,14 @@ def test_flops_per_token_counts_the_output_head_also_when_tied(chapter, tied):
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     assert flops_per_token(model, config, 128) == hand_count(config, 128, tied)
+
+
+def test_mfu_divides_by_the_peak_of_the_gpu_named_not_of_a_shorter_name_inside_it(monkeypatch):
+    # The names torch.cuda.get_device_name gives; "GB200" contains "B200", "GH200" contains "H200".
+    expected = {"NVIDIA GB200": 2500e12, "NVIDIA B200": 2250e12, "NVIDIA GH200 480GB": 989e12,
+                "NVIDIA H200 NVL": 835e12, "NVIDIA H200": 989e12, "NVIDIA H100 PCIe": 756e12,
+                "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12, "Tesla T4": None}
+    peak = runpy.run_path(str(CHAPTERS["01"] / "train_llm.py"))["peak_flops_per_second"]
+    for name, flops in expected.items():
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
+        assert peak(torch.device("cuda", 0)) == flops, name

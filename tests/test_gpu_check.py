@@ -33,9 +33,9 @@ def table_rows(markdown):
 
 
 def test_cpu_smoke_mode_gives_a_passing_row_per_chapter(tmp_path):
-    _, out = run_gpu_check(tmp_path, "--device", "cpu", "--quick", timeout=180)
+    _, out = run_gpu_check(tmp_path, "--device", "cpu", "--quick", timeout=540)
     rows = table_rows(out.read_text())
-    assert [row["chapter"] for row in rows] == ["01", "02", "04", "06"]
+    assert [row["chapter"] for row in rows] == ["01", "02", "04", "05", "06", "07", "08", "09"]
     for row in rows:
         assert row["result"] == "pass", row
         assert float(row["tokens/s"].replace(",", "")) > 0, row

@@ -19,8 +19,6 @@ INJECT=fill-disk      fill the file system of the folder INJECT_FILL_DIR right a
                       file "filler" there takes all its free space), so that the next write there fails
 INJECT=kept-outputs   after the k-th step, print "rank r: kept_output_chunks N": the micro-batch outputs that this
                       rank's pipeline stages still hold (a schedule keeps each one unless told not to)
-INJECT=digests        print "rank r: digest <path>" for every file the script checksums (each open from its
-                      file_digest), so a test sees which rank read which checkpoint file
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -30,7 +28,6 @@ crash. Steps are counted with torch's public global
 optimizer hook, so the chapter script runs as __main__ exactly as `python train_llm.py` would run it: the
 signals are real, the save is torch.save's own bytes cut short. Not collected by pytest (no test_ prefix).
 """
-import builtins
 import gc
 import io
 import json
@@ -126,16 +123,6 @@ def after_optimizer_step(optimizer, args, kwargs):
 if what in ("sigterm", "sigint", "sigint-twice", "raise", "nan", "fill-disk", "shard-bytes", "sigkill",
             "slow-alone", "kept-outputs"):
     register_optimizer_step_post_hook(after_optimizer_step)
-elif what == "digests":
-    real_open = builtins.open
-
-    def open_and_report_digests(file, *args, **kwargs):
-        if sys._getframe(1).f_code.co_name == "file_digest":
-            sys.stdout.write(f"rank {rank}: digest {os.path.abspath(file)}\n")
-            sys.stdout.flush()
-        return real_open(file, *args, **kwargs)
-
-    builtins.open = open_and_report_digests
 elif what == "kill-in-save":
     real_save, saves_done = torch.save, 0
 

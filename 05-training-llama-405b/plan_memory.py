@@ -8,12 +8,15 @@ Counts what train_llm.py allocates: fp32 master weights, fp32 gradients and Adam
 over the ranks as fully_shard shards them (dim 0, like torch.chunk); the weights and gradients FSDP gathers for
 the blocks in flight (in --dtype); and the activations that backward needs (each tensor the model saves,
 counted for Hugging Face's Llama with sdpa attention). Prints each part, whether it fits, and the largest
-batch that does; exits 1 when the layout cannot work. Needs only the standard library and transformers.
+batch that does, and what each rank reads of the pretrained weights: its rows, in the dtypes the safetensors
+headers beside the config name (else config.json's dtype). Exits 1 when the layout cannot work. Needs only the
+standard library and transformers.
 """
 import argparse
 import json
 import math
 import os
+import struct
 import sys
 
 import transformers
@@ -21,6 +24,9 @@ import transformers
 HERE = os.path.dirname(os.path.abspath(__file__))
 GB = 1e9
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+# the names of a safetensors header's common dtypes; a checkpoint's bytes come from the header's offsets.
+SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+CONFIG_DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def main():
@@ -68,6 +74,29 @@ def load_config(model):
     except Exception as error:
         sys.exit(f"error: cannot read the config of {model!r} ({str(error).strip().splitlines()[0]}); pass a "
                  "Hugging Face id, a folder with config.json, or a config.json")
+
+
+def stored_tensors(model):
+    """{name: (dtype, bytes)} of every tensor in the safetensors files of the model's folder (a config.json's
+    folder), from their headers: 8 bytes of length, then JSON with each tensor's dtype and offsets. A Hub id
+    has no local files: {}."""
+    if not os.path.exists(model):
+        return {}
+    folder = model if os.path.isdir(model) else os.path.dirname(model) or "."
+    tensors = {}
+    for file in sorted(name for name in os.listdir(folder) if name.endswith(".safetensors")):
+        path = os.path.join(folder, file)
+        try:
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(length))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    start, end = entry["data_offsets"]
+                    tensors[name] = (SAFETENSORS_DTYPES.get(entry["dtype"], entry["dtype"]), end - start)
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as error:
+            sys.exit(f"error: cannot read the safetensors header of {path!r} ({error}); is it complete?")
+    return tensors
 
 
 def parameter_shapes(config):
@@ -170,14 +199,16 @@ def make_plan(config, args):
     usable = (args.gpu_memory_gb - args.headroom_gb) * GB
     largest_batch = max(0, int((usable - on_gpu_state - gathered - gathered_gradients) // per_sequence))
     host_state = args.gpus_per_node * sum(state.values()) if args.cpu_offload else 0
+    load_bytes, load_dtypes, load_dtypes_from = load_read(config, args.model, shapes, shards)
     plan.update(
         config=type(config).__name__, total_parameters=total_params, shards=shards,
         per_gpu={**state, "gathered_weights": gathered, "gathered_gradients": gathered_gradients,
                  "activations": args.batch_size * per_sequence},
         per_gpu_on_device=on_gpu_state + gathered + gathered_gradients + args.batch_size * per_sequence,
         usable_gpu_bytes=usable, largest_batch=largest_batch, per_node_host_state=host_state,
-        # what each rank reads during the load (its rows, in the file's bf16), and what chapter 04's load holds
-        load_bytes_per_rank=2 * local_params, rank0_full_load_bytes=4 * total_params,
+        # what each rank reads during the load (its rows, as stored), and what chapter 04's load holds
+        load_bytes_per_rank=load_bytes, load_dtypes=load_dtypes, load_dtypes_from=load_dtypes_from,
+        rank0_full_load_bytes=4 * total_params,
     )
     if plan["per_gpu_on_device"] > usable:
         remedies = [flag for flag in ("--cpu-offload", "--activation-checkpointing")
@@ -187,9 +218,37 @@ def make_plan(config, args):
                          + (f"; the largest batch that fits is -b {largest_batch}" if largest_batch else
                             f"; no batch fits: try {', '.join(remedies)}"))
     elif host_state > args.host_memory_gb * GB:
-        plan["error"] = (f"does not fit: the offloaded state needs {host_state / GB:.0f} GB of CPU memory "
-                         f"per node, which has {args.host_memory_gb:.0f} GB; use more nodes")
+        plan["error"] = (f"does not fit: the offloaded state needs {size(host_state)} of CPU memory "
+                         f"per node, which has {size(args.host_memory_gb * GB)}; use more nodes")
     return plan
+
+
+def load_read(config, model, shapes, shards):
+    """Bytes the fullest rank reads from the checkpoint (its rows of every weight, in the dtype each is stored
+    in), the dtypes, and where they were found: the safetensors headers, else config.json's dtype."""
+    stored = stored_tensors(model)
+    configured = str(getattr(config, "dtype", None) or "").removeprefix("torch.")
+    total, dtypes, sources = 0, set(), set()
+    for name, shape in shapes:
+        if name in stored:
+            (dtype, stored_bytes), source = stored[name], "the safetensors headers"
+        else:
+            # a Hub id, or a folder without weights: config.json's dtype is the one the weights were saved in
+            dtype, source = configured or "bfloat16", "config.json's dtype" if configured else "an assumption"
+            stored_bytes = CONFIG_DTYPE_BYTES.get(dtype, 2) * numel(shape)
+        # a rank's rows of a weight are that share of its bytes (dim-0 rows are contiguous in the file)
+        total += stored_bytes * shard_numel(shape, shards) // numel(shape)
+        dtypes.add(dtype)
+        sources.add(source)
+    return total, sorted(dtypes), sorted(sources)
+
+
+def size(n):
+    """n bytes with the precision a reader needs: 1623 GB, 12.68 GB, 0.54 GB, 3.44 MB."""
+    for unit, scale in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if n >= 0.1 * scale:
+            return f"{n / scale:.0f} {unit}" if n >= 1000 * scale else f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def options_on(args):
@@ -209,17 +268,19 @@ def print_plan(plan, args):
             ("Adam moments (shard)", "optimizer_state", where), ("gathered weights", "gathered_weights", "GPU"),
             ("gathered gradients", "gathered_gradients", "GPU"), ("activations", "activations", "GPU")]
     for label, key, place in rows:
-        print(f"  {label:<32} {plan['per_gpu'][key] / GB:9.2f} GB  on the {place}")
+        print(f"  {label:<32} {size(plan['per_gpu'][key]):>12}  on the {place}")
     fits = plan["error"] is None
-    print(f"  {'on each GPU':<32} {plan['per_gpu_on_device'] / GB:9.2f} GB  of "
+    print(f"  {'on each GPU':<32} {size(plan['per_gpu_on_device']):>12}  of "
           f"{plan['usable_gpu_bytes'] / GB:.1f} GB usable ({args.gpu_memory_gb:g} less {args.headroom_gb:g} "
           f"headroom): {'fits' if fits else 'does NOT fit'}")
     print(f"  {'largest batch that fits':<32} {'-b ' + str(plan['largest_batch']):>9}")
     if args.cpu_offload:
-        print(f"  {'offloaded state on each node':<32} {plan['per_node_host_state'] / GB:9.2f} GB  of "
+        print(f"  {'offloaded state on each node':<32} {size(plan['per_node_host_state']):>12}  of "
               f"{args.host_memory_gb:g} GB CPU memory")
-    print(f"  {'pretrained load, each rank reads':<32} {plan['load_bytes_per_rank'] / GB:9.2f} GB  (its rows, "
-          f"in bf16; chapter 04's load holds {plan['rank0_full_load_bytes'] / GB:.0f} GB on rank 0)")
+    dtypes, sources = " + ".join(plan["load_dtypes"]), " and ".join(plan["load_dtypes_from"])
+    full_load = size(plan["rank0_full_load_bytes"])
+    print(f"  {'pretrained load, each rank reads':<32} {size(plan['load_bytes_per_rank']):>12}  (its rows, "
+          f"in {dtypes} per {sources}; chapter 04's load holds {full_load} on rank 0)")
     if not fits:
         print(f"error: {plan['error']}")
 

@@ -296,6 +296,33 @@ def test_planner_reports_a_bad_layout_with_one_line(flags, line, capsys, monkeyp
     ], printed
 
 
+@pytest.mark.parametrize("half", [(), ("model.embed_tokens.weight", "lm_head.weight")], ids=["fp32", "mixed"])
+def test_planner_reads_what_the_checkpoint_stores(half, tiny_model, tmp_path, capsys, monkeypatch):
+    """The per-rank read follows the dtypes of the safetensors files, not an assumed bf16: an fp32 checkpoint,
+    and one that stores the embedding and head in bf16 and the rest in fp32."""
+    from safetensors.torch import save_file
+
+    weights = {name: tensor.to(torch.bfloat16) if name in half else tensor
+               for name, tensor in load_weights(tiny_model).items()}
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_bytes((tiny_model / "config.json").read_bytes())
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    stored = sum(t.numel() * t.element_size() for t in weights.values())
+    fp32_model = 4 * sum(t.numel() for t in weights.values())
+    estimate = plan(folder, "--nodes", 1, "--gpus-per-node", 2)
+    # every dim 0 of the tiny model is even: each of 2 ranks reads exactly half of the stored bytes
+    assert estimate["load_bytes_per_rank"] == stored // 2 and stored % 2 == 0
+    assert estimate["load_dtypes"] == (["bfloat16", "float32"] if half else ["float32"])
+    monkeypatch.setattr(sys, "argv", [str(PLANNER), str(folder), "--nodes", "1", "--gpus-per-node", "2"])
+    planner.main()
+    printed = capsys.readouterr().out.splitlines()
+    line = next(" ".join(text.split()) for text in printed if "pretrained load" in text)
+    # a few hundred kB: printed in MB with two decimals, where a GB figure would round to 0 or 1
+    assert f"reads {stored / 2 / 1e6:.2f} MB (its rows, in {' + '.join(estimate['load_dtypes'])} per the " \
+           f"safetensors headers; chapter 04's load holds {fp32_model / 1e6:.2f} MB on rank 0)" in line, line
+
+
 def checkpoint_without_safetensors(folder):
     write_tiny_model(folder)
     (folder / "model.safetensors").unlink()

@@ -307,13 +307,28 @@ def test_both_nodes_hosting_the_store_fails_with_rendezvous_timeout(cluster, wor
 
 
 FAKE_TOOLS = {
-    # NOTE: srun starts the command once per node of FAKE_NODES ("node0:8 node1:8": name and GPU count).
+    # NOTE: srun starts the command once per node of FAKE_NODES ("node0:8 node1:8": name and GPU count), and
+    # fails if a task fails.
     "srun": """#!/bin/bash
 while [[ $1 == --* ]]; do shift; done
-for node in $FAKE_NODES; do FAKE_NODE=${node%:*} FAKE_GPUS=${node#*:} "$@" & done
-wait
+for node in $FAKE_NODES; do
+    FAKE_NODE=${node%:*} SLURMD_NODENAME=${node%:*} FAKE_GPUS=${node#*:} "$@" & pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
 """,
-    "scontrol": "#!/bin/bash\necho node0\n",
+    # NOTE: `scontrol show node` as Slurm prints it, with the node's GRES from FAKE_GRES ("(null)": no GPUs).
+    "scontrol": """#!/bin/bash
+if [[ $1 == show && $2 == node ]]; then
+    echo "NodeName=$3 Arch=x86_64 CoresPerSocket=48"
+    echo "   CPUAlloc=0 CPUEfctv=96 CPUTot=96 CPULoad=0.01"
+    echo "   Gres=${FAKE_GRES:-(null)}"
+    echo "   CfgTRES=cpu=96,mem=2000000M,billing=96${FAKE_GRES:+,gres/gpu=8}"
+else
+    echo node0
+fi
+""",
     "hostname": "#!/bin/bash\necho $FAKE_NODE\n",
     # NOTE: what nvidia-smi -L prints on a node with FAKE_GPUS GPUs (and on one with none).
     "nvidia-smi": """#!/bin/bash
@@ -334,22 +349,64 @@ for ((i = 0; i < FAKE_GPUS; i++)); do echo "GPU $i: NVIDIA H100 80GB HBM3 (UUID:
 def test_job_sbatch_starts_one_process_per_gpu_on_each_node(tmp_path, nodes, env, gpus, procs):
     """job.sbatch with stand-ins for srun (one task per node), scontrol, hostname, nvidia-smi and torchrun
     (which prints its arguments): what each node's torchrun is told to start."""
-    for tool, text in FAKE_TOOLS.items():
-        (tmp_path / tool).write_text(text)
-        (tmp_path / tool).chmod(0o755)
-    ours = ("CUDA_VISIBLE_DEVICES", "PROCS_PER_NODE", "MAX_RESTARTS")
-    base = {name: value for name, value in os.environ.items() if name not in ours and not name.startswith("SLURM")}
-    result = subprocess.run(
-        ["bash", CHAPTER / "job.sbatch", "-e", "my-run"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
-        env={**base, "PATH": f"{tmp_path}:{os.environ['PATH']}", "FAKE_NODES": nodes, "SLURM_JOB_ID": "42",
-             "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_NNODES": "2", "SLURM_SUBMIT_DIR": str(tmp_path), **env},
-    )
+    result = run_job_sbatch_with_fakes(tmp_path, nodes, env)
     assert result.returncode == 0, result.stdout + result.stderr
     launches = sorted(re.findall(r"^(node\d): torchrun (.*)$", result.stdout, re.MULTILINE))
     assert [node for node, _ in launches] == ["node0", "node1"], result.stdout
     for node, args in launches:
         assert args.startswith(f"--nproc-per-node={procs} --nnodes=2 --max-restarts=3 "), result.stdout
         assert f"\n{node}: {gpus} GPUs: torchrun --nproc-per-node={procs}\n" in result.stdout
+
+
+def run_job_sbatch_with_fakes(tmp_path, nodes, env):
+    """bash job.sbatch -e my-run as the batch shell runs it, with FAKE_TOOLS first on PATH and env on top."""
+    for tool, text in FAKE_TOOLS.items():
+        (tmp_path / tool).write_text(text)
+        (tmp_path / tool).chmod(0o755)
+    ours = ("CUDA_VISIBLE_DEVICES", "PROCS_PER_NODE", "MAX_RESTARTS", "FAKE_GRES")
+    base = {name: value for name, value in os.environ.items()
+            if name not in ours and not name.startswith("SLURM")}
+    return subprocess.run(
+        ["bash", CHAPTER / "job.sbatch", "-e", "my-run"], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+        env={**base, "PATH": f"{tmp_path}:{os.environ['PATH']}", "FAKE_NODES": nodes, "SLURM_JOB_ID": "42",
+             "SLURM_JOB_NODELIST": "node[0-1]", "SLURM_NNODES": "2", "SLURM_SUBMIT_DIR": str(tmp_path), **env},
+    )
+
+
+# FAKE_GRES: the GRES Slurm lists for each node. What Slurm 22.05 sets in an srun step given GPUs (measured on
+# the practice cluster with Gres=gpu:2); a step of an --exclusive job without --gpus-per-node gets only
+# SLURM_JOB_GPUS, and no GPUs where devices are constrained.
+STEP_GIVEN_8 = {"SLURM_STEP_GPUS": "0,1,2,3,4,5,6,7", "SLURM_GPUS_ON_NODE": "8",
+                "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+FIX = "ask for them with #SBATCH --gpus-per-node=8 (or sbatch --gpus-per-node=8 job.sbatch ...)"
+
+
+@pytest.mark.parametrize("gres, line", [
+    ("gpu:8(S:0-1)", f"error: this node has GPUs (gpu:8) but the job sees none; {FIX}"),
+    ("gpu:h100:8(S:0-1),shard:16", f"error: this node has GPUs (gpu:h100:8) but the job sees none; {FIX}"),
+], ids=["gpu:8", "typed-gpu-and-shards"])
+def test_job_sbatch_stops_every_node_with_one_line_when_the_step_cannot_see_its_gpus(tmp_path, gres, line):
+    """A cluster that constrains devices, a job submitted without --gpus-per-node: the step sees none of the
+    GPUs its nodes have. Each node stops with one error line before torchrun, not one CPU process a node."""
+    result = run_job_sbatch_with_fakes(tmp_path, "node0:0 node1:0",
+                                       {"FAKE_GRES": gres, "SLURM_JOB_GPUS": "0,1,2,3,4,5,6,7"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [line] * 2, result.stderr
+    assert "torchrun" not in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("nodes, env, procs", [
+    ("node0:0 node1:0", {"FAKE_GRES": "(null)"}, 1),  # no GPUs anywhere: the practice cluster
+    ("node0:8 node1:8", {"FAKE_GRES": "gpu:8(S:0-1)", **STEP_GIVEN_8}, 8),  # --gpus-per-node=8
+    ("node0:8 node1:8", {"FAKE_GRES": "gpu:8(S:0-1)"}, 8),  # devices not constrained: the step sees them all
+    ("node0:0 node1:0", {"FAKE_GRES": "gpu:8(S:0-1)", "PROCS_PER_NODE": "2"}, 2),  # CPU processes on purpose
+], ids=["no-gpus", "gpus-requested", "gpus-not-constrained", "procs-per-node"])
+def test_job_sbatch_starts_the_training_when_the_job_sees_the_gpus_or_the_node_has_none(tmp_path, nodes, env,
+                                                                                          procs):
+    result = run_job_sbatch_with_fakes(tmp_path, nodes, env)
+    assert result.returncode == 0 and "error:" not in result.stderr, result.stdout + result.stderr
+    launches = re.findall(r"^node\d: torchrun --nproc-per-node=(\d+) ", result.stdout, re.MULTILINE)
+    assert launches == [str(procs)] * 2, result.stdout
 
 
 def submit_dry_run(*args, cwd=None):

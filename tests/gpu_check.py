@@ -4,10 +4,17 @@
     python tests/gpu_check.py --device cpu --quick   # smoke test of this script on a CPU, every chapter
 
 Each chapter runs at one process, the way a reader launches it (`python` for 01, `torchrun --standalone
---nproc_per_node=1` after): first its default tiny run (no flags), then a model of Llama-3.2-1B's shape at 2048
-tokens a sequence, eager. The four chapters every later one builds on (01, 02, 04, 06) also run the 1B model
-with --compile and with FlashAttention 2 when flash-attn is installed; 05 and 07 add nothing at one process
-that their parents' 1B runs do not cover, so they run the default only. The 1B model is built from a config with random weights, so nothing is downloaded;
+--nproc_per_node=1` after), in three stages, the plan of which it prints first with its time estimates:
+1. Side by side, the tiny model: every chapter's defaults (no flags, the whole way to its exported model), every
+   chapter with --compile, and the CPU-offload paths of 04 and 05. These prove the CUDA paths run; their
+   tokens/s, from processes that share the GPU, measure nothing.
+2. One at a time, a model of Llama-3.2-1B's shape at 2048 tokens a sequence, eager, in every chapter that has a
+   code path of its own at one process (05 and 07 add nothing there that 04 and 06 do not run).
+3. One at a time, the same model with --compile in chapter 04 (FSDP, the usual way to train at scale), and with
+   FlashAttention 2 in chapter 01 when flash-attn is installed.
+The 1B runs are stopped once their last step is logged: they measure training, while their checkpoint (15 GB of
+fp32 weights and Adam state) and export (5 GB) would cost more time than the training and are the same code
+the tiny runs finish. The 1B model is built from a config with random weights, so nothing is downloaded;
 everything runs offline in a temp folder that is deleted at the end.
 """
 import argparse
@@ -19,12 +26,12 @@ import os
 import random
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import launching
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = {
@@ -37,8 +44,7 @@ CHAPTERS = {
     "08": ROOT / "08-pipeline-parallel" / "train_llm.py",
     "09": ROOT / "09-3d-parallel" / "train_llm.py",
 }
-CORE = ("01", "02", "04", "06")
-BIG_EAGER = (*CORE, "08", "09")
+BIG_EAGER = ("01", "02", "04", "06", "08", "09")
 # NOTE: the shape of meta-llama/Llama-3.2-1B (1.24B parameters). Token ids are the ByT5 byte tokenizer's: its
 # 259 tokens use the first rows of the 128256-row embedding, which costs the same FLOPs as a real vocabulary.
 LLAMA_1B = dict(
@@ -56,9 +62,9 @@ TINY_LLAMA = dict(
 FULL = dict(shape=LLAMA_1B, batch_size=8, seq_length=2048, steps=20, log_freq=10)
 # -b 4: chapters 08 and 09 split each batch into 4 micro-batches by default.
 QUICK = dict(shape=TINY_LLAMA, batch_size=4, seq_length=64, steps=3, log_freq=1)
-# NOTE: the whole check must end within 10 minutes on one H200. Each run has its own limit (compilation costs
-# more) and never gets more than what is left of the total; 20 s stay for imports, setup and the table.
-TOTAL_BUDGET_S = {"full": 580, "quick": 480}
+# NOTE: the whole check must end within 10 minutes on one H200. The stages' limits add up to at most the
+# budget, so no run is cut short by another's overrun; 30 s stay for imports, setup and the table.
+TOTAL_BUDGET_S = {"full": 570, "quick": 480}
 MIN_START_S = 20  # NOTE: less than this is not enough for even a tiny run to start, train and save
 
 
@@ -67,9 +73,26 @@ class Run:
     chapter: str
     options: str  # what the table shows
     args: list
-    limit_s: int
     steps: int | None  # the step the run must reach; None: the chapter's default (one epoch)
+    until_last_log: bool = False  # stopped once `steps` is logged: the row measures training, not saving
     skipped: str | None = None
+
+
+@dataclasses.dataclass
+class Stage:
+    """Runs launched together (side_by_side) or one after another. estimate_s: the expected seconds of one
+    run (of the whole stage when side by side), startup, checkpoint and export included; limit_s: the most
+    it may take before it is killed and its row fails."""
+
+    what: str
+    runs: list
+    side_by_side: bool
+    estimate_s: int
+    limit_s: int
+
+    def total(self, seconds):
+        active = [run for run in self.runs if not run.skipped]
+        return seconds if self.side_by_side and active else seconds * len(active)
 
 
 def main():
@@ -87,15 +110,16 @@ def main():
     mode = "quick" if args.quick else "full"
     setup = QUICK if args.quick else FULL
 
-    work_dir = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=scratch_root()))
+    work_dir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     try:
         model_dir = write_model_folder(work_dir / "model", setup["shape"])
         num_rows = setup["batch_size"] * setup["steps"]
         corpus = write_corpus(work_dir / "corpus.txt", num_rows, setup["seq_length"])
         model_args = ["-m", model_dir, "-d", corpus, "-b", setup["batch_size"], "-s", setup["seq_length"],
                       "--max-steps", setup["steps"], "--log-freq", setup["log_freq"], "--ckpt-freq", 1000]
-        runs = plan_runs(args.quick, model_args, setup)
-        rows = run_all(runs, work_dir, args.device, TOTAL_BUDGET_S[mode])
+        stages = plan(args.quick, model_args, setup["steps"], flash=not args.quick and flash_attn_works())
+        print(describe_plan(stages, TOTAL_BUDGET_S[mode], device_name), file=sys.stderr)
+        rows = run_all(stages, work_dir, args.device, TOTAL_BUDGET_S[mode])
     finally:
         shutil.rmtree(work_dir, ignore_errors=True)
 
@@ -103,7 +127,8 @@ def main():
         f"GPU check on {device_name}, torch {torch.__version__}, {datetime.date.today()}, one process a run. "
         "tokens/s and MFU: each run's last metrics line, never its first, which holds warm-up and compilation. "
         "MFU's peak: the one the chapter printed. Peak memory: the chapter's peak_memory_gb (on CUDA, the most "
-        "torch allocated). time: the whole launch, with startup, the final checkpoint and the export."
+        "torch allocated). time: the whole launch, with startup, checkpoint and export; for the 1B runs, up to "
+        "their last logged step. The tiny runs share the GPU side by side: their tokens/s are no benchmark."
     )
     table = format_table(caption, rows)
     print(table)
@@ -120,14 +145,6 @@ def get_parser():
                         help="smoke mode: a tiny model, 3 steps, each chapter once without --compile")
     parser.add_argument("--out", default="gpu_check.md", help="where to write the table (Markdown)")
     return parser
-
-
-def scratch_root():
-    # NOTE: each 1B run ends with a checkpoint (15 GB: fp32 weights and Adam state) and an export (5 GB).
-    # Written to RAM (/dev/shm) that takes seconds; to a slow disk, minutes. Each run's folder is deleted after.
-    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 40e9:
-        return "/dev/shm"
-    return None  # tempfile's default
 
 
 def write_model_folder(path, shape):
@@ -157,22 +174,56 @@ def write_corpus(path, num_rows, seq_length, seed=0):
     return path
 
 
-def plan_runs(quick, model_args, setup):
-    """The rows of the table, in the order they run: cheapest first, so that if the budget runs out, the runs
-    left out are the costly ones; FlashAttention, an optional extra, last."""
-    steps = setup["steps"]
+def plan(quick, model_args, steps, flash):
+    """The stages in the order they run: the cheap proof that every path runs first, the costly rows last, so
+    that if time runs out, what is lost is a measurement. estimate_s and limit_s are for one H200 (full) or a
+    2-core CPU (quick), not yet measured on an H200: the table's time column is what to correct them with."""
+    def every_chapter(options, args, **run):
+        return [Run(chapter, options, args, **run) for chapter in CHAPTERS]
+
     if quick:
-        return [Run(chapter, f"tiny Llama, {steps} steps", model_args, 90, steps) for chapter in CHAPTERS]
-    flash_missing = None if flash_attn_works() else "skipped: flash-attn not installed"
-    big = f"1B -b {setup['batch_size']} -s {setup['seq_length']}"
-    flash = ["--attn-implementation", "flash_attention_2"]
+        # The same stages on the tiny model for 3 steps: side by side, then stopped after their last log line.
+        tiny = f"tiny Llama, {steps} steps"
+        return [
+            Stage("side by side", [*every_chapter(tiny, model_args, steps=steps),
+                                   Run("04", f"{tiny} --cpu-offload", [*model_args, "--cpu-offload"], steps)],
+                  side_by_side=True, estimate_s=120, limit_s=300),
+            Stage("one at a time, stopped after the last log line",
+                  [Run(chapter, f"{tiny}, until logged", model_args, steps, until_last_log=True)
+                   for chapter in ("01", "04")],
+                  side_by_side=False, estimate_s=20, limit_s=80),
+        ]
+    big = f"1B -b 8 -s 2048, {steps} steps"
+    offload_405b = ["--cpu-offload", "--activation-checkpointing", "--explicit-prefetch"]
     return [
-        *(Run(chapter, "defaults (no flags)", [], 45, None) for chapter in CHAPTERS),
-        *(Run(chapter, big, model_args, 60, steps) for chapter in BIG_EAGER),
-        *(Run(chapter, f"{big} --compile", [*model_args, "--compile"], 150, steps) for chapter in CORE),
-        *(Run(chapter, f"{big} flash_attention_2", [*model_args, *flash], 60, steps, flash_missing)
-          for chapter in CORE),
+        Stage("side by side, the tiny model", [
+            *every_chapter("defaults (no flags)", [], steps=None),
+            *every_chapter("--compile", ["--compile"], steps=None),
+            Run("04", "--cpu-offload", ["--cpu-offload"], None),
+            Run("05", " ".join(offload_405b), offload_405b, None),
+        ], side_by_side=True, estimate_s=100, limit_s=150),
+        Stage("one at a time, 1B eager",
+              [Run(chapter, big, model_args, steps, until_last_log=True) for chapter in BIG_EAGER],
+              side_by_side=False, estimate_s=30, limit_s=40),
+        Stage("1B --compile", [Run("04", f"{big} --compile", [*model_args, "--compile"], steps,
+                                   until_last_log=True)], side_by_side=False, estimate_s=90, limit_s=120),
+        Stage("1B flash_attention_2", [Run(
+            "01", f"{big} flash_attention_2", [*model_args, "--attn-implementation", "flash_attention_2"], steps,
+            until_last_log=True, skipped=None if flash else "skipped: flash-attn not installed",
+        )], side_by_side=False, estimate_s=30, limit_s=45),
     ]
+
+
+def describe_plan(stages, budget_s, device_name):
+    estimate = sum(stage.total(stage.estimate_s) for stage in stages)
+    limit = sum(stage.total(stage.limit_s) for stage in stages)
+    lines = [f"plan on {device_name}: about {estimate} s, at most {limit} s of the {budget_s} s budget"]
+    for number, stage in enumerate(stages, 1):
+        active = [run for run in stage.runs if not run.skipped]
+        each = "together" if stage.side_by_side else "each"
+        lines.append(f"  {number}. {stage.what}: {len(active)} runs, about {stage.estimate_s} s {each} "
+                     f"(limit {stage.limit_s} s): " + ", ".join(f"{run.chapter} {run.options}" for run in active))
+    return "\n".join(lines)
 
 
 def flash_attn_works():
@@ -183,61 +234,85 @@ def flash_attn_works():
     return True
 
 
-def run_all(runs, work_dir, device, budget_s):
+def run_all(stages, work_dir, device, budget_s):
     env = dict(os.environ)
     env.update(HF_HOME=str(work_dir / "hf-home"), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1")
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
     deadline = time.monotonic() + budget_s
-    rows = []
-    for index, run in enumerate(runs):
-        time_left = deadline - time.monotonic()
-        if run.skipped:
-            row = dict(result=run.skipped)
-        elif time_left < MIN_START_S:
-            row = dict(result=f"FAIL: not run, the check's {budget_s} s budget was spent")
+    rows, count = [], sum(len(stage.runs) for stage in stages)
+    for stage in stages:
+        if stage.side_by_side:
+            # NOTE: side by side, each run gets a share of the CPU: compilations would otherwise start as many
+            # workers as there are cores, each.
+            stage_env = {**env, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+            stage_deadline = min(deadline, time.monotonic() + stage.limit_s)
+            launched = [start(run, work_dir, stage_env) if not run.skipped else None for run in stage.runs]
+            ended_at = wait_side_by_side([started[0] for started in launched if started], stage_deadline)
+            outcomes = [finish(run, started, stage_deadline - time.monotonic(), ended_at.get(started[0]))
+                        if started else None for run, started in zip(stage.runs, launched)]
         else:
-            row = launch(run, work_dir / f"run-{index:02d}", env, timeout=min(run.limit_s, time_left))
-        rows.append({"chapter": run.chapter, "options": run.options, **row})
-        print(f"[{index + 1}/{len(runs)}] {run.chapter} {run.options}: {row['result']}", file=sys.stderr)
+            outcomes = []
+            for run in stage.runs:
+                time_left = deadline - time.monotonic()
+                outcomes.append(None if run.skipped or time_left < MIN_START_S else
+                                finish(run, start(run, work_dir, env), min(stage.limit_s, time_left)))
+        for run, outcome in zip(stage.runs, outcomes):
+            if run.skipped:
+                row = dict(result=run.skipped)
+            elif outcome is None:
+                row = dict(result=f"FAIL: not run, the check's {budget_s} s budget was spent")
+            else:
+                row = outcome
+            rows.append({"chapter": run.chapter, "options": run.options, **row})
+            print(f"[{len(rows)}/{count}] {run.chapter} {run.options}: {row['result']}", file=sys.stderr)
     return rows
 
 
-def launch(run, run_dir, env, timeout):
-    """One launch in its own folder (it writes outputs/ there), killed with its process group past timeout."""
-    script = CHAPTERS[run.chapter]
-    command = [sys.executable, str(script)] if run.chapter == "01" else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)
-    ]
-    run_dir.mkdir()
-    start = time.monotonic()
-    process = subprocess.Popen(
-        [*command, *map(str, run.args)], cwd=run_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
-    )
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-        timed_out = False
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        timed_out = True
-    except KeyboardInterrupt:
-        os.killpg(process.pid, signal.SIGKILL)  # NOTE: Ctrl-C does not reach a launch in its own session
-        raise
-    seconds = time.monotonic() - start
-    metrics_file = next(run_dir.rglob("metrics.jsonl"), None)
-    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file else []
+def start(run, work_dir, env):
+    """One launch in a folder of its own (it writes outputs/ there), its output into files there."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"run-{run.chapter}-", dir=work_dir))
+    nproc = None if run.chapter == "01" else 1
+    out, err = open(run_dir / "stdout.txt", "w"), open(run_dir / "stderr.txt", "w")
+    with out, err:
+        process = launching.start([*launching.command(CHAPTERS[run.chapter], nproc), *run.args], run_dir, env,
+                                  stdout=out, stderr=err)
+    return process, run_dir, time.monotonic()
+
+
+def wait_side_by_side(processes, deadline):
+    """Wait until every launch has exited or the deadline passed; returns when each one exited."""
+    ended_at = {}
+    while len(ended_at) < len(processes) and time.monotonic() < deadline:
+        for process in processes:
+            if process not in ended_at and process.poll() is not None:
+                ended_at[process] = time.monotonic()
+        time.sleep(0.5)
+    return ended_at
+
+
+def finish(run, started, timeout, ended_at=None):
+    """Wait for a launch (stopping it once its last step is logged, for until_last_log), and make its row."""
+    process, run_dir, start_time = started
+    metrics_path = run_dir / "outputs" / "default" / "metrics.jsonl"
+
+    def last_step_logged():
+        return run.until_last_log and any(m["step"] == run.steps for m in read_metrics(metrics_path))
+
+    _, _, how = launching.wait(process, max(0.0, timeout), until=last_step_logged)
+    seconds = (ended_at or time.monotonic()) - start_time
+    metrics = read_metrics(metrics_path)
+    stdout, stderr = (run_dir / "stdout.txt").read_text(), (run_dir / "stderr.txt").read_text()
     shutil.rmtree(run_dir, ignore_errors=True)
 
     row = dict(seconds=seconds, **last_metrics(metrics, assumed_peak_tflops(stdout)))
-    if timed_out:
+    if how == "timed out":
         row["result"] = f"FAIL: timed out after {timeout:.0f} s (its share of the budget)"
-    elif process.returncode != 0:
+    elif how == "exited" and process.returncode != 0:
         row["result"] = f"FAIL: exit {process.returncode}: {failure_reason(stderr, stdout)}"
     elif not metrics or "tokens_per_s" not in metrics[-1]:
-        row["result"] = "FAIL: exited 0 but logged no tokens_per_s in metrics.jsonl"
+        row["result"] = "FAIL: logged no tokens_per_s in metrics.jsonl"
     elif run.steps is not None and metrics[-1]["step"] != run.steps:
         row["result"] = f"FAIL: ended at step {metrics[-1]['step']}, not {run.steps}"
     elif not math.isfinite(metrics[-1]["loss"]):
@@ -245,6 +320,13 @@ def launch(run, run_dir, env, timeout):
     else:
         row["result"] = "pass"
     return row
+
+
+def read_metrics(path):
+    """The complete lines of a metrics.jsonl that may still be being written."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
 
 
 def last_metrics(metrics, peak_tflops):

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -18,7 +19,7 @@ import sys
 import time
 import traceback
 import zlib
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import datasets
 import numpy as np
@@ -538,9 +539,7 @@ def usable_checkpoint(exp_dir):
     before the data reached the disk): it is renamed to step-N.damaged, never deleted, and the one before is used.
     """
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
-    if not os.path.isdir(checkpoints_dir):
-        return None
-    complete = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
+    complete = complete_checkpoints(checkpoints_dir)
     for name in reversed(complete):
         checkpoint_dir = os.path.join(checkpoints_dir, name)
         damage = checkpoint_damage(checkpoint_dir)
@@ -557,6 +556,13 @@ def usable_checkpoint(exp_dir):
     return None
 
 
+def complete_checkpoints(checkpoints_dir):
+    """The names of the complete checkpoints (step-N, not step-N.partial or step-N.damaged), oldest first."""
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    return sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
+
+
 def file_digest(path):
     """(size, CRC-32) of a file, read in 16 MiB pieces: about a second per GB from the page cache."""
     crc = 0
@@ -566,24 +572,35 @@ def file_digest(path):
     return [os.path.getsize(path), crc]
 
 
+def writer_rank(name):
+    """The rank that wrote a checkpoint file. DCP names rank r's files __r_0.distcp, __r_1.distcp, ...; rank 0
+    writes the others (a file that a later DCP names otherwise counts as rank 0's: slower, still right)."""
+    match = re.fullmatch(r"__(\d+)_\d+\.distcp", os.path.basename(name))
+    return int(match.group(1)) if match else 0
+
+
 def write_manifest(checkpoint_dir):
     """Record the size and checksum of every file of a checkpoint, so that loading can tell a damaged one."""
     files = sorted(
         os.path.relpath(os.path.join(folder, name), checkpoint_dir)
         for folder, _, names in os.walk(checkpoint_dir) for name in names
     )
-    with open(os.path.join(checkpoint_dir, "manifest.json"), "w") as f:
-        json.dump({name: file_digest(os.path.join(checkpoint_dir, name)) for name in files}, f)
+    digests = {name: file_digest(os.path.join(checkpoint_dir, name)) for name in files}
+    write_json(os.path.join(checkpoint_dir, "manifest.json"), digests)
 
 
-def checkpoint_damage(checkpoint_dir):
-    """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest."""
+def checkpoint_damage(checkpoint_dir, rank=0, world_size=1):
+    """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest. Rank r of
+    world_size checks the files that ranks r, r + world_size, ... wrote: any number of ranks covers every file
+    of a checkpoint that any number wrote."""
     try:
         with open(os.path.join(checkpoint_dir, "manifest.json")) as f:
             manifest = json.load(f)
     except (OSError, ValueError):
         return "manifest.json is missing or unreadable"
     for name, recorded in manifest.items():
+        if writer_rank(name) % world_size != rank:
+            continue
         path = os.path.join(checkpoint_dir, name)
         if not os.path.isfile(path):
             return f"{name} is missing"
@@ -592,40 +609,54 @@ def checkpoint_damage(checkpoint_dir):
     return None
 
 
-def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
+@contextmanager
+def checkpoint_folder(exp_dir, state, param_shapes):
+    """The folder the checkpoint of state["step"] is written into: step-N.partial, renamed to step-N once the
+    body has returned and each file's checksum is in the manifest. The rename is atomic: a run killed mid-save
+    leaves the checkpoint before as the newest complete one."""
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
     final_dir = os.path.join(checkpoints_dir, f"step-{state['step']:08d}")
     partial_dir = final_dir + ".partial"
-    if os.path.exists(final_dir):
-        return
-    shutil.rmtree(partial_dir, ignore_errors=True)
-    os.makedirs(partial_dir)
-    # Into a file object, not a path: a full disk then surfaces as its OSError, not as "unexpected pos".
-    with open(os.path.join(partial_dir, "checkpoint.pt"), "wb") as f:
-        torch.save(
-            {
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "lr_schedule": lr_schedule.state_dict(),
-                # The data order has its own generator; these cover anything random in the model (dropout).
-                "rng": rng_state(),
-            },
-            f,
-        )
-    with open(os.path.join(partial_dir, "state.json"), "w") as f:
-        json.dump({**state, "param_shapes": param_shapes}, f)
+
+    def start():
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        os.makedirs(partial_dir)
+        write_json(os.path.join(partial_dir, "state.json"), {**state, "param_shapes": param_shapes})
+
+    def finish():
+        os.rename(partial_dir, final_dir)
+        remove_old_checkpoints(checkpoints_dir)
+
+    start()
+    yield partial_dir
     write_manifest(partial_dir)
-    # The rename is atomic: a crash before it leaves the previous checkpoint as the newest complete one.
-    os.rename(partial_dir, final_dir)
-    remove_old_checkpoints(checkpoints_dir)
+    finish()
+
+
+def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
+    with checkpoint_folder(exp_dir, state, param_shapes) as folder:
+        # The data order has its own generator; the RNG states cover anything random in the model (dropout).
+        training_state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                          "lr_schedule": lr_schedule.state_dict(), "rng": rng_state()}
+        torch_save(training_state, os.path.join(folder, "checkpoint.pt"))
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def torch_save(obj, path):
+    # Into a file object, not a path: a full disk then surfaces as its OSError, not as "unexpected pos".
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def remove_old_checkpoints(checkpoints_dir, keep=2):
     """Keep the newest `keep` complete checkpoints (the one before the newest is the fallback if the newest
     turns out damaged) and any *.damaged folder for inspection; remove the rest and stale .partial folders."""
-    complete = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
     stale = [name for name in os.listdir(checkpoints_dir) if name.endswith(".partial")]
-    for name in complete[:-keep] + stale:
+    for name in complete_checkpoints(checkpoints_dir)[:-keep] + stale:
         shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
 
 
@@ -708,6 +739,15 @@ def full_disk_error(error):
     return next(filter(None, (full_disk_error(cause) for cause in causes if cause is not None)), None)
 
 
+def full_disk_message(error):
+    """The one line that a full disk behind error stops every rank with, or None for any other error."""
+    full_disk = full_disk_error(error)
+    if full_disk is None:
+        return None
+    return (f"error: the disk is full ({one_line(full_disk)}); free space under --save-dir or pass another, then "
+            "relaunch the same command (the last complete checkpoint is intact)")
+
+
 def report_exit(stop):
     """The exit code of sys.exit(code or "message"). A message is printed, as the interpreter does, and
     written where torchrun's failure summary shows it (instead of "To enable traceback see ...")."""
@@ -733,15 +773,11 @@ if __name__ == "__main__":
     except SystemExit as stop:
         exit_code = report_exit(stop)
     except BaseException as error:  # not only Exception: DCP raises a CheckpointException
-        full_disk = full_disk_error(error)
-        if full_disk is None:
+        if full_disk_message(error) is None:
             traceback.print_exc()
             exit_code = 1
         else:
-            exit_code = report_exit(SystemExit(
-                f"error: the disk is full ({one_line(full_disk)}); free space under --save-dir or pass another, "
-                "then relaunch the same command (the last complete checkpoint is intact)"
-            ))
+            exit_code = report_exit(SystemExit(full_disk_message(error)))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

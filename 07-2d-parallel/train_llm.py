@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -22,7 +23,7 @@ import sys
 import time
 import traceback
 import zlib
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import datasets
 import numpy as np
@@ -139,8 +140,7 @@ def main():
                    "-s/--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
                    "--warmup-steps": args.warmup_steps}
     state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0], "fixed_flags": fixed_flags}
-    # Rank 0 alone checks the checkpoints (and sets damaged ones aside); every rank loads the one it chose.
-    checkpoint_dir = run_on_rank_0(lambda: usable_checkpoint(exp_dir))
+    checkpoint_dir = usable_checkpoint(exp_dir)
     if checkpoint_dir is not None:
         state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags)
         if state["step"] > total_steps:
@@ -262,8 +262,6 @@ def main():
             exit_if_diverged(state["step"], state["loss_window"][0], grad_norm.item())
             # Each rank holds different slices, so every rank writes its own part of the checkpoint.
             save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
-            # The others wait for rank 0's save: once any rank exits, torchrun stops the whole job.
-            dist.barrier()
         if stop:
             break
 
@@ -385,15 +383,21 @@ def make_experiment_dir(save_dir, experiment_name):
 
 
 def run_on_rank_0(fn):
-    """fn() on rank 0 alone; every rank returns its result. If fn exits with an error line there (sys.exit),
-    every rank exits with that same line, instead of waiting for rank 0 in the next collective."""
-    outcome = [None, None]
+    """fn() on rank 0 alone; every rank returns its result. If fn fails there (an error line, a full disk, any
+    exception), every rank exits with one line, instead of waiting for rank 0 in the next collective."""
+    outcome, failure = [None, None], None
     if dist.get_rank() == 0:
         try:
             outcome = [fn(), None]
         except SystemExit as error:
             outcome = [None, str(error.code)]
+        except Exception as error:
+            failure = error
+            outcome = [None, full_disk_message(error) or f"error: rank 0 stopped with {type(error).__name__}: "
+                                                        f"{one_line(error)} (its traceback is in its output)"]
     dist.broadcast_object_list(outcome, src=0)
+    if failure is not None and full_disk_message(failure) is None:
+        raise failure
     if outcome[1] is not None:
         sys.exit(outcome[1])
     return outcome[0]
@@ -754,23 +758,33 @@ def usable_checkpoint(exp_dir):
     before the data reached the disk): it is renamed to step-N.damaged, never deleted, and the one before is used.
     """
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
-    if not os.path.isdir(checkpoints_dir):
-        return None
-    complete = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
+    # Rank 0 lists the folder for all: every rank must check the same checkpoints, in the same order.
+    complete = run_on_rank_0(lambda: complete_checkpoints(checkpoints_dir))
     for name in reversed(complete):
         checkpoint_dir = os.path.join(checkpoints_dir, name)
-        damage = checkpoint_damage(checkpoint_dir)
+        # Each rank reads its share of the files, in parallel (rank 0 alone would read 5 TB of a 405B run's).
+        damages = [None] * dist.get_world_size()
+        dist.all_gather_object(damages, checkpoint_damage(checkpoint_dir, dist.get_rank(), dist.get_world_size()))
+        damage = next(filter(None, damages), None)
         if damage is None:
             return checkpoint_dir
-        os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
-        print(f"warning: checkpoint {checkpoint_dir} is damaged ({damage}); set it aside as {name}.damaged",
-              file=sys.stderr)
+        if dist.get_rank() == 0:
+            os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
+            print(f"warning: checkpoint {checkpoint_dir} is damaged ({damage}); set it aside as {name}.damaged",
+                  file=sys.stderr)
     if complete:
         sys.exit(
             f"error: every checkpoint in {checkpoints_dir} is damaged (now *.damaged); move them away to start "
             "fresh, or pass a new -e/--experiment-name"
         )
     return None
+
+
+def complete_checkpoints(checkpoints_dir):
+    """The names of the complete checkpoints (step-N, not step-N.partial or step-N.damaged), oldest first."""
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    return sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
 
 
 def file_digest(path):
@@ -782,24 +796,41 @@ def file_digest(path):
     return [os.path.getsize(path), crc]
 
 
+def writer_rank(name):
+    """The rank that wrote a checkpoint file. DCP names rank r's files __r_0.distcp, __r_1.distcp, ...; rank 0
+    writes the others (a file that a later DCP names otherwise counts as rank 0's: slower, still right)."""
+    match = re.fullmatch(r"__(\d+)_\d+\.distcp", os.path.basename(name))
+    return int(match.group(1)) if match else 0
+
+
 def write_manifest(checkpoint_dir):
     """Record the size and checksum of every file of a checkpoint, so that loading can tell a damaged one."""
     files = sorted(
         os.path.relpath(os.path.join(folder, name), checkpoint_dir)
         for folder, _, names in os.walk(checkpoint_dir) for name in names
     )
-    with open(os.path.join(checkpoint_dir, "manifest.json"), "w") as f:
-        json.dump({name: file_digest(os.path.join(checkpoint_dir, name)) for name in files}, f)
+    # Each rank checksums the files it wrote, in parallel and while they are in its page cache; rank 0 writes
+    # the manifest of them all.
+    digests = {name: file_digest(os.path.join(checkpoint_dir, name))
+               for name in files if writer_rank(name) == dist.get_rank()}
+    every_ranks_digests = [None] * dist.get_world_size()
+    dist.all_gather_object(every_ranks_digests, digests)
+    digests = dict(sorted(item for part in every_ranks_digests for item in part.items()))
+    run_on_rank_0(lambda: write_json(os.path.join(checkpoint_dir, "manifest.json"), digests))
 
 
-def checkpoint_damage(checkpoint_dir):
-    """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest."""
+def checkpoint_damage(checkpoint_dir, rank=0, world_size=1):
+    """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest. Rank r of
+    world_size checks the files that ranks r, r + world_size, ... wrote: any number of ranks covers every file
+    of a checkpoint that any number wrote."""
     try:
         with open(os.path.join(checkpoint_dir, "manifest.json")) as f:
             manifest = json.load(f)
     except (OSError, ValueError):
         return "manifest.json is missing or unreadable"
     for name, recorded in manifest.items():
+        if writer_rank(name) % world_size != rank:
+            continue
         path = os.path.join(checkpoint_dir, name)
         if not os.path.isfile(path):
             return f"{name} is missing"
@@ -808,46 +839,59 @@ def checkpoint_damage(checkpoint_dir):
     return None
 
 
-def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
+@contextmanager
+def checkpoint_folder(exp_dir, state, param_shapes):
+    """The folder the checkpoint of state["step"] is written into: step-N.partial, renamed to step-N once the
+    body has returned and each file's checksum is in the manifest. The rename is atomic: a run killed mid-save
+    leaves the checkpoint before as the newest complete one."""
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
     final_dir = os.path.join(checkpoints_dir, f"step-{state['step']:08d}")
     partial_dir = final_dir + ".partial"
-    if os.path.exists(final_dir):
-        return
-    if dist.get_rank() == 0:
+
+    def start():
         shutil.rmtree(partial_dir, ignore_errors=True)
         os.makedirs(partial_dir)
-    dist.barrier()
-    # get_state_dict names shards by parameter name and offsets: a checkpoint of N ranks loads into any number.
-    # dcp.save writes a file per rank, then rank 0 the index (.metadata); every node must see the folder.
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=partial_dir)
-    if dist.get_rank() != 0:
-        return
-    # Into a file object, not a path: a full disk then surfaces as its OSError, not as "unexpected pos".
-    with open(os.path.join(partial_dir, "checkpoint.pt"), "wb") as f:
-        torch.save(
-            {
-                "lr_schedule": lr_schedule.state_dict(),
-                # The data order has its own generator; these cover anything random in the model (dropout).
-                "rng": rng_state(),
-            },
-            f,
-        )
-    with open(os.path.join(partial_dir, "state.json"), "w") as f:
-        json.dump({**state, "param_shapes": param_shapes}, f)
+        write_json(os.path.join(partial_dir, "state.json"), {**state, "param_shapes": param_shapes})
+
+    def finish():
+        os.rename(partial_dir, final_dir)
+        remove_old_checkpoints(checkpoints_dir)
+
+    # Rank 0 makes the folder and renames it; run_on_rank_0 makes every rank wait for it (once a rank exits,
+    # after a stop, torchrun ends the whole job), and stop with its line if it fails (a full disk).
+    run_on_rank_0(start)
+    yield partial_dir
     write_manifest(partial_dir)
-    # The rename is atomic: a crash before it leaves the previous checkpoint as the newest complete one.
-    os.rename(partial_dir, final_dir)
-    remove_old_checkpoints(checkpoints_dir)
+    run_on_rank_0(finish)
+
+
+def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
+    with checkpoint_folder(exp_dir, state, param_shapes) as folder:
+        # get_state_dict names shards by parameter name and offsets: a checkpoint of N ranks loads into any number.
+        # dcp.save writes a file per rank, then rank 0 the index (.metadata); every node must see the folder.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+        # The data order has its own generator; the RNG states cover anything random in the model (dropout).
+        training_state = {"lr_schedule": lr_schedule.state_dict(), "rng": rng_state()}
+        run_on_rank_0(lambda: torch_save(training_state, os.path.join(folder, "checkpoint.pt")))
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def torch_save(obj, path):
+    # Into a file object, not a path: a full disk then surfaces as its OSError, not as "unexpected pos".
+    with open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def remove_old_checkpoints(checkpoints_dir, keep=2):
     """Keep the newest `keep` complete checkpoints (the one before the newest is the fallback if the newest
     turns out damaged) and any *.damaged folder for inspection; remove the rest and stale .partial folders."""
-    complete = sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
     stale = [name for name in os.listdir(checkpoints_dir) if name.endswith(".partial")]
-    for name in complete[:-keep] + stale:
+    for name in complete_checkpoints(checkpoints_dir)[:-keep] + stale:
         shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
 
 
@@ -945,6 +989,15 @@ def full_disk_error(error):
     return next(filter(None, (full_disk_error(cause) for cause in causes if cause is not None)), None)
 
 
+def full_disk_message(error):
+    """The one line that a full disk behind error stops every rank with, or None for any other error."""
+    full_disk = full_disk_error(error)
+    if full_disk is None:
+        return None
+    return (f"error: the disk is full ({one_line(full_disk)}); free space under --save-dir or pass another, then "
+            "relaunch the same command (the last complete checkpoint is intact)")
+
+
 def report_exit(stop):
     """The exit code of sys.exit(code or "message"). A message is printed, as the interpreter does, and
     written where torchrun's failure summary shows it (instead of "To enable traceback see ...")."""
@@ -970,15 +1023,11 @@ if __name__ == "__main__":
     except SystemExit as stop:
         exit_code = report_exit(stop)
     except BaseException as error:  # not only Exception: DCP raises a CheckpointException
-        full_disk = full_disk_error(error)
-        if full_disk is None:
+        if full_disk_message(error) is None:
             traceback.print_exc()
             exit_code = 1
         else:
-            exit_code = report_exit(SystemExit(
-                f"error: the disk is full ({one_line(full_disk)}); free space under --save-dir or pass another, "
-                "then relaunch the same command (the last complete checkpoint is intact)"
-            ))
+            exit_code = report_exit(SystemExit(full_disk_message(error)))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

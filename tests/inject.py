@@ -19,6 +19,8 @@ INJECT=fill-disk      fill the file system of the folder INJECT_FILL_DIR right a
                       file "filler" there takes all its free space), so that the next write there fails
 INJECT=kept-outputs   after the k-th step, print "rank r: kept_output_chunks N": the micro-batch outputs that this
                       rank's pipeline stages still hold (a schedule keeps each one unless told not to)
+INJECT=checksums      print "rank r: checksums step-N[.partial]/<file>" for every checkpoint file this rank reads
+                      to checksum it (opened within the script's file_digest), when saving and when resuming
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -160,6 +162,19 @@ elif what == "count-all-reduce":
         real_exit(code)
 
     os._exit = report_then_exit
+elif what == "checksums":
+    def report_checksums(event, args):
+        # Python's audit event for every open(): (path, mode, flags).
+        if event != "open" or not isinstance(args[0], str) or "/checkpoints/step-" not in args[0]:
+            return
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_name != "file_digest":
+            frame = frame.f_back
+        if frame is not None:
+            sys.stdout.write(f"rank {rank}: checksums {args[0].split('/checkpoints/')[1]}\n")
+            sys.stdout.flush()
+
+    sys.addaudithook(report_checksums)
 else:
     raise SystemExit(f"inject.py: unknown INJECT={what!r}")
 

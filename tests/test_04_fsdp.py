@@ -303,3 +303,30 @@ def test_a_damaged_sharded_checkpoint_is_set_aside_and_the_previous_one_resumes(
     assert resumed.stdout.count("step-00000002 at step 2") == 2
     assert resumed.losses == fsdp_two_ranks.losses
     assert (checkpoints / "step-00000003.damaged" / shard.name).exists()
+
+
+def checksummed(run, folder):
+    """{rank: the files of checkpoint `folder` it read to checksum them} (tests/inject.py's checksums probe)."""
+    found = {}
+    for rank, path in re.findall(rf"^rank (\d+): checksums {re.escape(folder)}/(\S+)$", run.stdout, re.MULTILINE):
+        found.setdefault(int(rank), set()).add(path)
+    return found
+
+
+def test_each_rank_checksums_the_files_it_wrote_and_checks_the_same_share_on_resume(common_args, tmp_path):
+    """At 405B a checkpoint is ~5 TB: rank 0 alone would read all of it, once to checksum it and again on every
+    restart, while the others wait. Each rank checksums the file it wrote, when saving and when resuming."""
+    args = [*common_args, *on(4), "--ckpt-freq", 1000]
+    env = inject_env("04", "checksums")
+    saved = run_chapter("04", [*args, "--max-steps", 2], tmp_path, nproc=4, script=INJECT, env=env)
+    resumed = run_chapter("04", [*args, "--max-steps", 3], tmp_path, nproc=4, script=INJECT, env=env)
+    assert resumed.stdout.count("at step 2") == 4
+
+    rank_0_files = {".metadata", "checkpoint.pt", "state.json"}
+    expected = {rank: {f"__{rank}_0.distcp", *(rank_0_files if rank == 0 else ())} for rank in range(4)}
+    assert checksummed(saved, "step-00000002.partial") == expected
+    assert checksummed(resumed, "step-00000002") == expected
+    assert checksummed(resumed, "step-00000003.partial") == expected
+    for step in (2, 3):
+        manifest = json.loads((resumed.exp_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json").read_text())
+        assert set(manifest) == set().union(*expected.values())

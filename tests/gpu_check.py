@@ -20,7 +20,6 @@ everything runs offline in a temp folder that is deleted at the end.
 import argparse
 import dataclasses
 import datetime
-import json
 import math
 import os
 import random
@@ -298,11 +297,11 @@ def finish(run, started, timeout, ended_at=None):
     metrics_path = run_dir / "outputs" / "default" / "metrics.jsonl"
 
     def last_step_logged():
-        return run.until_last_log and any(m["step"] == run.steps for m in read_metrics(metrics_path))
+        return run.until_last_log and any(m["step"] == run.steps for m in launching.read_metrics(metrics_path))
 
     _, _, how = launching.wait(process, max(0.0, timeout), until=last_step_logged)
     seconds = (ended_at or time.monotonic()) - start_time
-    metrics = read_metrics(metrics_path)
+    metrics = launching.read_metrics(metrics_path)
     stdout, stderr = (run_dir / "stdout.txt").read_text(), (run_dir / "stderr.txt").read_text()
     shutil.rmtree(run_dir, ignore_errors=True)
 
@@ -320,13 +319,6 @@ def finish(run, started, timeout, ended_at=None):
     else:
         row["result"] = "pass"
     return row
-
-
-def read_metrics(path):
-    """The complete lines of a metrics.jsonl that may still be being written."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines(keepends=True) if line.endswith("\n")]
 
 
 def last_metrics(metrics, peak_tflops):

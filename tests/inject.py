@@ -11,7 +11,10 @@ INJECT=kill-in-save   in the k-th torch.save of this launch write half of the fi
                       (a node dying mid-checkpoint: no handler, no cleanup)
 INJECT=shard-bytes    after the k-th step, print "rank r: shard_bytes {json}": the bytes of weights, gradients
                       and optimizer state this rank holds, and those of the whole model
-INJECT=count-all-reduce  at exit, print "rank r: all_reduce_calls N": the script's own dist.all_reduce calls
+INJECT=count-collectives  at exit, print "rank r: collectives {json}": the collectives the script itself calls
+                      (through torch.distributed: all_reduce, broadcast, barrier, the object collectives, ...)
+                      after each optimizer step, by step (0: before the first)
+INJECT=applied-lr     print "rank r: step k lr X" just before each optimizer step: the learning rate it applies
 INJECT=sigkill        SIGKILL this rank right after its k-th optimizer step (the OOM killer, a segfault)
 INJECT=nan            fill every weight this rank holds with NaN right after its k-th optimizer step (training
                       that diverged: the next forward pass gives a NaN loss)
@@ -44,7 +47,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 script = os.path.abspath(os.environ["INJECT_SCRIPT"])
 what = os.environ["INJECT"]
@@ -143,25 +146,48 @@ elif what == "kill-in-save":
         os.kill(os.getpid(), signal.SIGKILL)
 
     torch.save = save_then_die_halfway
-elif what == "count-all-reduce":
-    real_all_reduce, all_reduce_calls = dist.all_reduce, 0
+elif what == "count-collectives":
+    collectives = {}
 
-    def counted_all_reduce(*args, **kwargs):
-        global all_reduce_calls
-        all_reduce_calls += 1
-        return real_all_reduce(*args, **kwargs)
+    def counted(name, real):
+        def collective(*args, **kwargs):
+            collectives.setdefault(steps_done, []).append(name)
+            return real(*args, **kwargs)
 
-    # The chapter calls dist.all_reduce through the module, so it finds this one; DDP's and FSDP's own
-    # collectives run in C++ and are not counted.
-    dist.all_reduce = counted_all_reduce
+        return collective
+
+    # The chapter calls them through the module, so it finds these; what DDP, FSDP and DCP run inside (in C++,
+    # or through torch's own modules) is not counted.
+    for name in ("all_reduce", "broadcast", "barrier", "monitored_barrier", "all_gather", "all_gather_into_tensor",
+                 "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "all_to_all_single",
+                 "send", "recv", "isend", "irecv", "all_gather_object", "broadcast_object_list", "gather_object",
+                 "scatter_object_list"):
+        setattr(dist, name, counted(name, getattr(dist, name)))
+
+    def count_steps(optimizer, args, kwargs):
+        global steps_done
+        steps_done += 1
+
+    register_optimizer_step_post_hook(count_steps)
     real_exit = os._exit
 
     def report_then_exit(code):
-        sys.stdout.write(f"rank {rank}: all_reduce_calls {all_reduce_calls}\n")
+        sys.stdout.write(f"rank {rank}: collectives {json.dumps(collectives)}\n")
         sys.stdout.flush()
         real_exit(code)
 
     os._exit = report_then_exit
+elif what == "applied-lr":
+    def report_lr(optimizer, args, kwargs):
+        sys.stdout.write(f"rank {rank}: step {steps_done + 1} lr {optimizer.param_groups[0]['lr']!r}\n")
+        sys.stdout.flush()
+
+    def count_steps(optimizer, args, kwargs):
+        global steps_done
+        steps_done += 1
+
+    register_optimizer_step_pre_hook(report_lr)
+    register_optimizer_step_post_hook(count_steps)
 elif what == "checksums":
     def report_checksums(event, args):
         # Python's audit event for every open(): (path, mode, flags).

@@ -7,7 +7,7 @@ down, or a crash (SIGABRT, "terminate called without an active exception") after
 Such failures show up in a few launches out of dozens, and mostly when the CPU is busy, so this script keeps
 every core busy with spinning processes while it launches the chapter's tiny default run (--max-steps 3)
 again and again, each with a timeout. It prints one summary line and exits 1 unless every launch exited 0.
-Not collected by pytest (a single launch is cheap; fifty are not).
+Not collected by pytest (a single launch is cheap; fifty are not): tests/test_stress_exit.py runs it for two.
 """
 import argparse
 import collections
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import launching  # noqa: E402
 from conftest import CHAPTERS, offline_env  # noqa: E402
 
 
@@ -33,18 +34,14 @@ def spin():
 
 def launch(script, nproc, extra_args, tmp_path, timeout):
     """One torchrun launch; returns (outcome, seconds, output tail). Outcome: ok, hang, sigabrt, exit N."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(script), "--save-dir", str(tmp_path / "outputs"), "--max-steps", "3", *extra_args]
+    args = ["--save-dir", tmp_path / "outputs", "--max-steps", 3, *extra_args]
     started = time.monotonic()
-    process = subprocess.Popen(command, cwd=tmp_path, env=offline_env(tmp_path), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        return "hang", time.monotonic() - started, output[-3000:]
+    process = launching.start([*launching.command(script, nproc), *args], tmp_path, offline_env(tmp_path),
+                              stderr=subprocess.STDOUT)
+    output, _, how = launching.wait(process, timeout)
     seconds = time.monotonic() - started
+    if how == "timed out":
+        return "hang", seconds, output[-3000:]
     if process.returncode == 0:
         return "ok", seconds, ""
     # NOTE: torchrun itself exits 1 when a worker dies by a signal; its report says which signal.

@@ -5,23 +5,20 @@ Every comparison here is bitwise: on CPU in fp32 the same program on the same da
 any difference at all means the resume lost or changed something (a step, the data order, optimizer state,
 the LR schedule or an RNG).
 """
-import contextlib
 import hashlib
 import io
 import math
 import re
-import resource
-import runpy
 import shutil
 import signal
-import time
 
 import pytest
 import sentencepiece
 import torch
 import transformers
 
-from conftest import CHAPTERS, INJECT, inject_env, max_weight_diff, run_chapter, wandb_history, write_tiny_model
+from conftest import INJECT, inject_env, max_weight_diff, measured, run_chapter, wandb_history, write_tiny_model
+from launching import without_timing
 
 # NOTE: 8 steps with a checkpoint every 2: long enough to stop in the middle, short enough for a test.
 EXACT = ["--max-steps", 8, "--ckpt-freq", 2]
@@ -35,8 +32,18 @@ def reference(common_args, launch_once):
 
 @pytest.fixture
 def default_run_with_wandb(launch_once):
-    """The reader's default (tiny Llama, built-in corpus), 60 steps, logging to an offline wandb run."""
-    return launch_once("01", ["--max-steps", 60, "--log-freq", 1, "--wandb"], experiment="default")
+    """The reader's default (tiny Llama, built-in corpus), 60 steps, logging to an offline wandb run; through
+    tests/inject.py, which prints the learning rate each optimizer step applies."""
+    return launch_once("01", ["--max-steps", 60, "--log-freq", 1, "--wandb"], experiment="default", script=INJECT,
+                       env=inject_env("01", "applied-lr"))
+
+
+def warmup_then_cosine_by_hand(step, peak, warmup, total):
+    """The rate of optimizer step `step` (1 = the first), as the README states the schedule: linear warmup to
+    the peak over `warmup` steps, then one cosine from the peak down to a tenth of it at step `total`."""
+    if step <= warmup:
+        return peak * step / warmup
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (step - 1 - warmup) / (total - warmup))))
 
 
 def interrupted(tmp_path, args, what, after_step):
@@ -56,10 +63,14 @@ def test_loss_falls_well_below_the_starting_loss(default_run_with_wandb):
 
 
 def test_logged_lr_is_the_one_each_step_used(default_run_with_wandb):
-    lrs = [m["lr"] for m in default_run_with_wandb.metrics]
-    # Default --lr 1e-3 and --warmup-steps 20: step 1 trains at 1/20 of the peak, step 20 at the peak.
-    assert lrs[0] == pytest.approx(1e-3 / 20, rel=1e-12)
-    assert lrs[19] == pytest.approx(1e-3, rel=1e-12) and max(lrs) == lrs[19]
+    run = default_run_with_wandb
+    applied = {int(step): float(lr) for step, lr in re.findall(r"^rank 0: step (\d+) lr (\S+)$", run.stdout, re.M)}
+    assert sorted(applied) == list(range(1, 61))
+    # What the log says each step used is what the optimizer applied in that step, to the last bit.
+    assert [m["lr"] for m in run.metrics] == [applied[step] for step in range(1, 61)]
+    # Default --lr 1e-3 and --warmup-steps 20 over 60 steps: step 1 at 1/20 of the peak, step 20 at the peak.
+    for step in range(1, 61):
+        assert applied[step] == pytest.approx(warmup_then_cosine_by_hand(step, 1e-3, 20, 60), rel=1e-12), step
 
 
 def test_wandb_offline_run_logs_every_metric_line(default_run_with_wandb):
@@ -99,7 +110,7 @@ def test_sigkill_during_a_checkpoint_save_resumes_from_the_previous_one(referenc
     resumed = run_chapter("01", args, tmp_path, experiment="interrupted")
     assert "step-00000002 at step 2" in resumed.stdout
     # Steps 3 and 4 ran twice; metrics.jsonl keeps only the second time, so it reads like one clean run.
-    assert resumed.losses == reference.losses
+    assert without_timing(resumed.metrics) == without_timing(reference.metrics)
     assert max_weight_diff(resumed.exp_dir / "hf", reference.exp_dir / "hf") == 0
     # The newest two are kept: the one before the newest is the fallback if the newest turns out damaged.
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000006", "step-00000008"]
@@ -241,22 +252,9 @@ def test_a_relaunch_with_more_steps_trains_on_over_the_stretched_schedule(refere
     run = run_chapter("01", [*common_args, *EXACT, "--max-steps", 10], tmp_path, experiment="reference")
     assert [m["step"] for m in run.metrics] == list(range(1, 11))
     assert run.losses[:8] == reference.losses
-    schedule = runpy.run_path(str(CHAPTERS["01"] / "train_llm.py"))["warmup_then_cosine"]
-    assert run.metrics[8]["lr"] == pytest.approx(1e-3 * schedule(8, 2, 8), rel=1e-12)
-    assert run.metrics[9]["lr"] == pytest.approx(1e-3 * schedule(9, 2, 10), rel=1e-12)
+    assert run.metrics[8]["lr"] == pytest.approx(warmup_then_cosine_by_hand(9, 1e-3, 2, 8), rel=1e-12) == 1e-4
+    assert run.metrics[9]["lr"] == pytest.approx(warmup_then_cosine_by_hand(10, 1e-3, 2, 10), rel=1e-12)
     assert run.metrics[9]["lr"] > run.metrics[8]["lr"]
-
-
-@contextlib.contextmanager
-def measured():
-    """Wall seconds and the CPU seconds of the processes it waited for, of the block it wraps."""
-    def cpu():
-        return sum(resource.getrusage(resource.RUSAGE_CHILDREN)[:2])  # user + system
-
-    cost = {}
-    started_wall, started_cpu = time.perf_counter(), cpu()
-    yield cost
-    cost.update(wall=time.perf_counter() - started_wall, cpu=cpu() - started_cpu)
 
 
 def assert_fails_with_one_line(run, message, cost):
@@ -274,11 +272,6 @@ def assert_fails_with_one_line(run, message, cost):
     assert cost["wall"] < 150, f"took {cost['wall']:.0f} s to fail"
 
 
-def without_timing(metrics):
-    return [{key: value for key, value in line.items() if key not in ("tokens_per_s", "peak_memory_gb")}
-            for line in metrics]
-
-
 def test_resumed_metrics_equal_the_uninterrupted_ones_line_for_line(common_args, launch_once, tmp_path):
     """Stopped at step 4, inside the logging window of steps 4-6: the resumed run's step-6 line must average
     the same three losses as the uninterrupted run's."""
@@ -291,7 +284,9 @@ def test_resumed_metrics_equal_the_uninterrupted_ones_line_for_line(common_args,
     assert without_timing(resumed.metrics) == without_timing(uninterrupted.metrics)
 
 
-def test_ctrl_c_stops_like_sigterm_and_a_second_one_at_once(common_args, tmp_path):
+def test_ctrl_c_stops_like_sigterm_a_relaunch_continues_bitwise_and_a_second_one_stops_at_once(
+    reference, common_args, tmp_path
+):
     args = [*common_args, *EXACT]
     stopped = interrupted(tmp_path, args, "sigint", after_step=3)
     assert stopped.returncode == 1 and "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
@@ -299,6 +294,10 @@ def test_ctrl_c_stops_like_sigterm_and_a_second_one_at_once(common_args, tmp_pat
         "stopped by a signal after step 3; relaunch the same command to resume"
     )
     assert (stopped.exp_dir / "checkpoints" / "step-00000003").is_dir()
+    resumed = run_chapter("01", args, tmp_path, experiment="interrupted")
+    assert "at step 3" in resumed.stdout
+    assert without_timing(resumed.metrics) == without_timing(reference.metrics)
+    assert max_weight_diff(resumed.exp_dir / "hf", reference.exp_dir / "hf") == 0
     twice = run_chapter("01", args, tmp_path, experiment="twice", script=INJECT, expect_ok=False,
                         env=inject_env("01", "sigint-twice", after_step=3))
     # The second Ctrl-C ends the process at once (killed by SIGINT), before step 3 is saved.

@@ -7,7 +7,6 @@ The reference is chapter 01 on the whole global batch of 8 sequences for 12 step
 """
 import json
 import re
-import runpy
 import shutil
 
 import pytest
@@ -15,17 +14,17 @@ import torch
 import transformers
 
 from conftest import (
-    CHAPTERS, INJECT, inject_env, load_weights, max_weight_diff, offline_env, run_chapter, write_tiny_model,
+    CHAPTERS, INJECT, assert_same_training, inject_env, load_weights, max_weight_diff, offline_env, run_chapter,
+    shard_bytes, write_tiny_model,
 )
+from launching import load_script
 
 GLOBAL_BATCH = 8
 STEPS = 12
 STOP_AFTER = 3  # the interrupted run stops after this step
 # NOTE: fp32 on CPU: N ranks sum gradients in another order than one process does, so numbers agree to
-# rounding (measured 1e-6 loss, 2e-7 weights), far below what a real bug (a wrong shard, a missing
-# reduce-scatter, garbage RoPE buffers, optimizer state not restored) changes.
-LOSS_TOLERANCE = 1e-5
-WEIGHT_TOLERANCE = 1e-4
+# rounding (conftest's tolerances), far below what a real bug (a wrong shard, a missing reduce-scatter, garbage
+# RoPE buffers, optimizer state not restored) changes.
 
 
 def on(nproc):
@@ -56,15 +55,6 @@ def fsdp_two_ranks(launch):
     return launch("04", 2)
 
 
-def assert_same_training(ours, reference):
-    assert [m["step"] for m in ours.metrics] == [m["step"] for m in reference.metrics] == list(range(1, STEPS + 1))
-    for mine, theirs in zip(ours.metrics, reference.metrics):
-        assert abs(mine["loss"] - theirs["loss"]) < LOSS_TOLERANCE, (mine, theirs)
-        # NOTE: a gradient scaled by the world size can hide in the loss while clipping is active, not in the norm.
-        assert abs(mine["grad_norm"] - theirs["grad_norm"]) < 1e-4 * theirs["grad_norm"], (mine, theirs)
-    assert max_weight_diff(ours.exp_dir / "hf", reference.exp_dir / "hf") < WEIGHT_TOLERANCE
-
-
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_fsdp_matches_single_process(launch, single_process, nproc):
     # the run trains (so agreeing numbers mean something): the loss falls well below its start
@@ -78,12 +68,6 @@ HSDP_2X2 = ["--replicate-degree", 2]  # two copies of the model, each sharded ov
 @pytest.mark.parametrize("nproc,flags", [(2, ["--cpu-offload"]), (4, HSDP_2X2)], ids=["cpu-offload", "hsdp-2x2"])
 def test_cpu_offload_and_hsdp_match_single_process(launch, single_process, nproc, flags):
     assert_same_training(launch("04", nproc, flags), single_process)
-
-
-def shard_bytes(run):
-    """{rank: {"parameters": [local, full], "gradients": [...], "optimizer_state": [...]}} after step 1."""
-    lines = re.findall(r"rank (\d+): shard_bytes (\{.*\})", run.stdout)
-    return {int(rank): json.loads(numbers) for rank, numbers in lines}
 
 
 @pytest.mark.parametrize("nproc,flags,shards", [(2, [], 2), (4, [], 4), (4, HSDP_2X2, 2)],
@@ -255,12 +239,12 @@ def test_a_model_without_known_blocks_fails_with_one_line(common_args, tmp_path)
     transformers.Gemma2Config,
 ])
 def test_transformer_blocks_are_found_in_common_decoder_models(config_class):
-    chapter = load_chapter_04()
+    transformer_blocks = load_script(CHAPTERS["04"] / "train_llm.py")["transformer_blocks"]
     config = config_class(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                           num_attention_heads=2, num_key_value_heads=2, head_dim=16)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    blocks = chapter.transformer_blocks(model)
+    blocks = transformer_blocks(model)
     assert [type(block).__name__.endswith("DecoderLayer") for block in blocks] == [True] * 3
 
 
@@ -271,20 +255,11 @@ def test_cpu_offload_on_gpus_gives_the_cpu_tensors_gloo(chapter):
     type associated with device type cpu" at the first step (with 2+ GPUs, so the one-GPU check cannot see it)."""
     from torch.distributed.distributed_c10d import BackendConfig
 
-    backend = runpy.run_path(str(CHAPTERS[chapter] / "train_llm.py"))["process_group_backend"]
+    backend = load_script(CHAPTERS[chapter] / "train_llm.py")["process_group_backend"]
     gpu = torch.device("cuda", 0)
     assert BackendConfig(backend(gpu, True)).get_device_backend_map() == {"cuda": "nccl", "cpu": "gloo"}
     assert backend(gpu, False) == "nccl"
     assert backend(torch.device("cpu"), True) == backend(torch.device("cpu"), False) == "gloo"
-
-def load_chapter_04():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("chapter_04", CHAPTERS["04"] / "train_llm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def test_a_damaged_sharded_checkpoint_is_set_aside_and_the_previous_one_resumes(
     fsdp_two_ranks, common_args, tmp_path

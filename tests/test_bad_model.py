@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import INJECT, inject_env, run_chapter, write_tiny_model
+from conftest import INJECT, inject_env, missing_system_tool, run_chapter, write_tiny_model
 
 # chapter: processes (None: plain python), for the chapters that load weights their own way; 06-09 load them with
 # chapter 02's build_model, the same text (tests/test_chapter_diffs.py).
@@ -146,7 +146,7 @@ def small_disk(tmp_path):
     folder = tmp_path / "small-disk"
     folder.mkdir()
     if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", folder]).returncode:
-        pytest.skip("needs root to mount a small tmpfs (CI runs as root)")
+        missing_system_tool("needs root to mount a small tmpfs (CI runs as root)")
     yield folder
     subprocess.run(["umount", "--lazy", folder], check=True)
 

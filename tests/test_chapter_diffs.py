@@ -3,7 +3,6 @@ every helper that the technique does not touch is the same text in both. Also ch
 arithmetic every chapter shares, the FLOP count behind MFU, against a count by hand."""
 import ast
 import re
-import runpy
 import subprocess
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 import transformers
 
 from conftest import CHAPTERS, TINY_LLAMA
+from launching import load_script
 
 # (parent, chapter): the most changed lines `diff parent chapter` may show, and the functions that carry the
 # technique (all others must be identical). The top README prints these numbers.
@@ -111,7 +111,7 @@ def hand_count(config, seq_length, tied):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("chapter", SCRIPTS)
 def test_flops_per_token_counts_the_output_head_also_when_tied(chapter, tied):
-    flops_per_token = runpy.run_path(str(CHAPTERS[chapter] / "train_llm.py"))["training_flops_per_token"]
+    flops_per_token = load_script(CHAPTERS[chapter] / "train_llm.py")["training_flops_per_token"]
     config = transformers.LlamaConfig(**{**TINY_LLAMA, "num_key_value_heads": 2, "tie_word_embeddings": tied})
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
@@ -123,7 +123,7 @@ def test_mfu_divides_by_the_peak_of_the_gpu_named_not_of_a_shorter_name_inside_i
     expected = {"NVIDIA GB200": 2500e12, "NVIDIA B200": 2250e12, "NVIDIA GH200 480GB": 989e12,
                 "NVIDIA H200 NVL": 835e12, "NVIDIA H200": 989e12, "NVIDIA H100 PCIe": 756e12,
                 "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA A100-SXM4-80GB": 312e12, "Tesla T4": None}
-    peak = runpy.run_path(str(CHAPTERS["01"] / "train_llm.py"))["peak_flops_per_second"]
+    peak = load_script(CHAPTERS["01"] / "train_llm.py")["peak_flops_per_second"]
     for name, flops in expected.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: name)
         assert peak(torch.device("cuda", 0)) == flops, name

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import PRACTICE, ROOT, offline_env
+import launching
+from conftest import PRACTICE, ROOT, missing_system_tool, offline_env
 
 FOLDER = ROOT / "diagnosing-errors"
 MARKER = "DIAGNOSING_ERRORS_TEST"
@@ -42,9 +43,8 @@ def launch_env(tmp_path, mark=MARK, **extra):
     return env
 
 
-def torchrun(*args, nproc=2):
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            *map(str, args)]
+def torchrun(script, *args, nproc=2):
+    return [*launching.command(script, nproc), *map(str, args)]
 
 
 class Run:
@@ -54,8 +54,7 @@ class Run:
         self.command = list(map(str, command))
         self.out_path, self.err_path = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.process = subprocess.Popen(self.command, cwd=FOLDER, env=env, stdout=out, stderr=err,
-                                            start_new_session=True)
+            self.process = launching.start(self.command, FOLDER, env, stdout=out, stderr=err)
 
     @property
     def stdout(self):
@@ -92,12 +91,8 @@ class Run:
             time.sleep(0.2)
 
     def kill(self):
-        # NOTE: the group, not only torchrun: its workers are in the same session.
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.process.wait()
+        if self.process.poll() is None:
+            launching.kill_tree(self.process)
 
 
 @contextmanager
@@ -194,17 +189,11 @@ def straggler_and_monitor(tmp_path):
 
 def wrong_store_address(tmp_path):
     """Node 1 of 2 pointed at a port where nothing listens: its head node is not up, or the address is wrong."""
-    port = free_port()
+    port = launching.free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", 2, "--node-rank", 1, "--nproc-per-node",
                1, "--master-addr", "127.0.0.1", "--master-port", port, "--rdzv-conf", "timeout=5",
                "tools/smoke_test.py"]
     return run_to_end(command, tmp_path, "wrong-address", mark=SHARED_MARK), port
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
@@ -336,7 +325,7 @@ def in_straggler_step(dump):
 
 def test_stack_dump_across_nodes_shows_rank_0_waiting_for_the_straggler_on_node1(cluster, straggler_job):
     if py_spy_missing():
-        pytest.skip(py_spy_missing())
+        missing_system_tool(py_spy_missing())
     job_id, tmp_path = straggler_job
     dump = dump_until(job_id, cluster, tmp_path, in_straggler_step)
     assert in_straggler_step(dump), dump
@@ -353,7 +342,7 @@ def test_monitor_over_slurm_shows_both_nodes_and_their_training_processes(cluste
 def test_monitor_over_ssh_shows_both_nodes_and_their_training_processes(cluster, straggler_job):
     ssh_config = cluster / "ssh" / "config"
     if not ssh_config.exists():
-        pytest.skip("needs sshd on the practice cluster (apt-get install openssh-server openssh-client)")
+        missing_system_tool("needs sshd on the practice cluster (apt-get install openssh-server openssh-client)")
     job_id, tmp_path = straggler_job
     screen = tool("monitor.py", "--hosts", "node0", "node1", "--ssh", f"ssh -F {ssh_config}", "--job", job_id,
                   "--count", 1, tmp_path=tmp_path)
@@ -386,13 +375,15 @@ def test_collective_mismatch_hangs_until_the_timeout_names_the_waiting_collectiv
     # the timeout error is raised inside the collective each rank waits in, with the script line that called it
     assert "[rank0]:     dist.all_reduce(gradient)" in run.output
     assert "[rank1]:     dist.barrier()" in run.output
-    assert run.output.count("Timed out waiting 8000ms for recv operation to complete") == 2
+    # NOTE: at least one rank reaches its timeout; the other usually does too, but torchrun stops it as soon as
+    # the first fails, which on a busy machine can come first (measured: 1 of 8 suite runs under heavy load).
+    assert 1 <= run.output.count("Timed out waiting 8000ms for recv operation to complete") <= 2
 
 
 def test_stack_dump_of_the_hung_job_shows_each_rank_in_its_collective(launches):
     _, dump = launches["hang"]()
     if dump is None:
-        pytest.skip(py_spy_missing())
+        missing_system_tool(py_spy_missing())
     rank0, rank1 = rank_block(dump, 0), rank_block(dump, 1)
     assert "all_reduce (torch/distributed/distributed_c10d.py" in rank0
     assert f"main (collective_mismatch.py:{line_of('collective_mismatch.py', 'all_reduce(gradient)')})" in rank0
@@ -422,8 +413,9 @@ def test_shape_mismatch_returns_a_wrong_sum_on_one_rank_and_hangs_the_other(laun
     run = launches["shape"]()
     assert run.returncode != 0
     got = re.findall(r"rank (\d): got (\[.*\])", run.stdout)
-    # rank 0 never returns from its all_reduce; rank 1 may, with a sum that is not 2.0 everywhere
-    assert all(rank == "1" and json.loads(values) != [2.0] * 3 for rank, values in got), run.stdout
+    # rank 0 never returns from its all_reduce; rank 1 does, at once, with a sum that is not 2.0 everywhere
+    # (measured: [1.0, 2.0, 2.0], gloo pairs the elements from the end)
+    assert len(got) == 1 and got[0][0] == "1" and json.loads(got[0][1]) != [2.0] * 3, run.stdout
     assert "[rank0]:     dist.all_reduce(per_token_loss)" in run.stderr
     assert "Timed out waiting 5000ms" in run.stderr
 

@@ -9,22 +9,21 @@ must be exactly what CI runs (.ci/run).
 
 A command is not run twice in one session. These tests run last (conftest.py), and when an earlier test (of
 a chapter, a related topic, or this one for another README) ran the command's script on as many processes with
-every flag the command sets (its -e, --save-dir and --max-steps aside) and exited 0, the command is skipped with
-that test's name: a second launch would repeat 5-20 s of imports and prove nothing new. `pytest
-tests/test_docs.py` alone runs every command.
+the same flags as the command, no more and no fewer (its -e, --save-dir and --max-steps aside), and exited 0,
+the command is skipped with that test's name: a second launch would repeat 5-20 s of imports and prove nothing
+new. `pytest tests/test_docs.py` alone runs every command.
 """
 import os
 import re
-import runpy
 import shlex
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+import launching
 from conftest import ROOT, SUCCESSFUL_LAUNCHES, Launch, offline_env
+from launching import load_script
 
 # related-topics/ holds a README per topic, one level further down.
 READMES = [ROOT / "README.md", *sorted(r for pattern in ("*/README.md", "related-topics/*/README.md")
@@ -123,13 +122,10 @@ def test_readme_command_runs(readme, command, needs, tmp_path):
     # NOTE: `python` and `torchrun` must be this environment's, as they are for a reader with the venv active.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     full_command = f"{command} --max-steps 2 --save-dir {tmp_path / 'outputs'}"
-    process = subprocess.Popen(full_command, shell=True, cwd=readme.parent, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
+    # (through bash, as a reader's shell runs it: `&&`, `VAR=value` prefixes)
+    process = launching.start(["bash", "-c", full_command], readme.parent, env)
+    stdout, stderr, how = launching.wait(process, 300)
+    if how == "timed out":
         pytest.fail(f"`{full_command}` in {name(readme)} hung for 300 s\n{stdout[-3000:]}\n{stderr[-3000:]}")
     assert process.returncode == 0, (
         f"`{full_command}` in {name(readme)} exited {process.returncode}\n--- stdout\n{stdout[-3000:]}"
@@ -169,7 +165,7 @@ def earlier_launch(readme, command):
         return None
     earlier = [launch for launch in SUCCESSFUL_LAUNCHES
                if launch.script == wanted.script and launch.nproc == wanted.nproc]
-    get_parser = runpy.run_path(str(wanted.script)).get("get_parser") if earlier else None
+    get_parser = load_script(wanted.script).get("get_parser") if earlier else None
     if get_parser is None:  # without a parser to read its flags, the command runs
         return None
     parser = get_parser()
@@ -180,19 +176,30 @@ def earlier_launch(readme, command):
         except SystemExit:  # bad flags: a command with them fails when it runs
             return None
 
-    wanted_flags, defaults = parsed(wanted.args), parsed([])
+    def compared(args):
+        flags = parsed(args)
+        return None if flags is None else {key: value for key, value in flags.items() if key not in NOT_COMPARED}
+
+    wanted_flags = compared(wanted.args)
     if wanted_flags is None:
         return None
-    set_here = {key: value for key, value in wanted_flags.items()
-                if value != defaults[key] and key not in NOT_COMPARED}
-    for launch in earlier:
-        flags = parsed(launch.args)
-        if flags is not None and all(flags[key] == value for key, value in set_here.items()):
-            return launch.test
-    return None
+    # NOTE: every flag equal, not "the command's flags and more": a test's launch with -m, -d or --dtype of its
+    # own is not the command a reader types.
+    return next((launch.test for launch in earlier if compared(launch.args) == wanted_flags), None)
 
 
 def test_readme_test_command_is_what_ci_runs():
     assert len(TEST_COMMANDS) == 1, f"README.md should show one test command, found {TEST_COMMANDS}"
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert TEST_COMMANDS[0] in ci_lines, f".ci/run does not run the README's test command `{TEST_COMMANDS[0]}`"
+
+
+def test_every_test_the_claims_table_names_exists():
+    """The top README's table of claims names the tests that assert each one: a renamed or deleted test must
+    not leave a claim that names nothing."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| claim | tests |"):].split("\n\n")[0]
+    named = set(re.findall(r"`(test_\w+)`", table))
+    defined = {name for path in (ROOT / "tests").glob("test_*.py")
+               for name in re.findall(r"^def (test_\w+)\(", path.read_text(), re.MULTILINE)}
+    assert len(named) > 50 and named <= defined, sorted(named - defined)

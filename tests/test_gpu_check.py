@@ -10,18 +10,18 @@ import pytest
 import torch
 
 import gpu_check
+import launching
+from conftest import wait_or_fail
 
 GPU_CHECK = Path(__file__).with_name("gpu_check.py")
 
 
 def run_gpu_check(tmp_path, *flags, timeout, env=None):
     out = tmp_path / "gpu_check.md"
-    result = subprocess.run(
-        [sys.executable, str(GPU_CHECK), "--out", str(out), *flags], cwd=tmp_path, env=env, timeout=timeout,
-        capture_output=True, text=True,
-    )
-    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-6000:]}\n{result.stderr[-2000:]}"
-    return result, out
+    process = launching.start([sys.executable, GPU_CHECK, "--out", out, *flags], tmp_path, env)
+    [(returncode, stdout, stderr)] = wait_or_fail([process], timeout, "gpu_check.py")
+    assert returncode == 0, f"exit {returncode}\n{stdout[-6000:]}\n{stderr[-2000:]}"
+    return subprocess.CompletedProcess(process.args, returncode, stdout, stderr), out
 
 
 def table_rows(markdown):

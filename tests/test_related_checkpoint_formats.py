@@ -5,7 +5,6 @@ The checkpoint is the one tests/test_04_fsdp.py's 2-rank run writes at its last 
 through launch_once); that run also exports hf/ at that step, gathered by chapter 04 itself: an independent
 reference the conversions must equal bit for bit (fp32, the same tensors, only moved between files).
 """
-import importlib.util
 import runpy
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import transformers
 from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
 
 from conftest import CHAPTERS, INJECT, ROOT, inject_env, load_weights, offline_env
+from launching import load_script
 
 # NOTE: the tests read DCP checkpoints in one process, on purpose (as the converter does).
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
@@ -123,9 +123,5 @@ def test_a_checkpoint_of_another_model_than_m_fails_with_one_line(checkpoint, tm
 
 
 def test_default_model_is_the_chapters_tiny_llama():
-    modules = []
-    for path in (CONVERTER, CHAPTERS["04"] / "train_llm.py"):
-        spec = importlib.util.spec_from_file_location(path.stem, path)
-        modules.append(importlib.util.module_from_spec(spec))
-        spec.loader.exec_module(modules[-1])
-    assert modules[0].tiny_llama_config().to_dict() == modules[1].tiny_llama_config().to_dict()
+    converter, chapter = (load_script(path) for path in (CONVERTER, CHAPTERS["04"] / "train_llm.py"))
+    assert converter["tiny_llama_config"]().to_dict() == chapter["tiny_llama_config"]().to_dict()

@@ -2,15 +2,14 @@
 ranks map the same tokens; those tokens, cut into rows, are exactly what tokenizing the documents on the fly
 gives."""
 import re
-import runpy
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import transformers
 
-from conftest import ROOT, offline_env, record_launch
+import launching
+from conftest import ROOT, offline_env, record_launch, wait_or_fail
+from launching import load_script
 
 SCRIPT = ROOT / "related-topics" / "data-loading" / "tokenize_once.py"
 SEQ_LENGTH = 32
@@ -20,29 +19,27 @@ SEQ_LENGTH = 32
 def two_ranks(tmp_path_factory, tiny_dataset):
     """One launch of tokenize_once.py under torchrun with 2 processes on one node."""
     tmp_path = tmp_path_factory.mktemp("tokenize-once")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(SCRIPT), "-d", str(tiny_dataset), "--cache-dir", str(tmp_path / "cache"),
-               "-s", str(SEQ_LENGTH), "--max-steps", "2"]
-    done = subprocess.run(command, cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-    record_launch(SCRIPT, 2, command[6:])
-    return done, tmp_path / "cache"
+    args = ["-d", tiny_dataset, "--cache-dir", tmp_path / "cache", "-s", SEQ_LENGTH, "--max-steps", 2]
+    process = launching.start([*launching.command(SCRIPT, 2), *args], tmp_path, offline_env(tmp_path))
+    [(returncode, stdout, stderr)] = wait_or_fail([process], 120, "tokenize_once.py")
+    assert returncode == 0, f"{stdout[-3000:]}\n{stderr[-3000:]}"
+    record_launch(SCRIPT, 2, args)
+    return stdout, tmp_path / "cache"
 
 
 def test_one_rank_per_node_tokenizes_and_both_ranks_map_the_same_tokens(two_ranks):
-    done, cache = two_ranks
-    assert re.findall(r"^rank (\d+): tokenized", done.stdout, re.MULTILINE) == ["0"]
-    mapped = dict(re.findall(r"^rank (\d+): mapped (.*)$", done.stdout, re.MULTILINE))
-    assert sorted(mapped) == ["0", "1"] and mapped["0"] == mapped["1"], done.stdout
+    stdout, cache = two_ranks
+    assert re.findall(r"^rank (\d+): tokenized", stdout, re.MULTILINE) == ["0"]
+    mapped = dict(re.findall(r"^rank (\d+): mapped (.*)$", stdout, re.MULTILINE))
+    assert sorted(mapped) == ["0", "1"] and mapped["0"] == mapped["1"], stdout
     # one finished file (and its description), nothing half-written left behind
     assert sorted(path.suffix for path in cache.iterdir()) == [".bin", ".json"]
-    assert len(re.findall(r"^rank \d: read 2 batches of \(8, 33\)", done.stdout, re.MULTILINE)) == 2
+    assert len(re.findall(r"^rank \d: read 2 batches of \(8, 33\)", stdout, re.MULTILINE)) == 2
 
 
 def test_memmap_rows_are_exactly_the_tokens_of_on_the_fly_tokenization(two_ranks, tiny_dataset):
     _, cache = two_ranks
-    script = runpy.run_path(str(SCRIPT))
+    script = load_script(SCRIPT)
     tokens = script["open_token_file"](str(next(cache.glob("*.bin"))))
     assert tokens.dtype == np.uint16
 

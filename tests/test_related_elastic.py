@@ -8,16 +8,14 @@ Events come from tests/inject.py, which runs the chapter's script unchanged (its
 start of the workers only).
 """
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
+
 import pytest
 
-from conftest import INJECT, inject_env, max_weight_diff, offline_env
+import launching
+from conftest import INJECT, inject_env, max_weight_diff, start_chapter, wait_or_fail
+from launching import read_metrics
 
 # NOTE: torchrun (torch >= 2.5) keeps its rendezvous store across a restart, with the crashed workers' keys
 # still in it, and the restarted workers fail to connect ("Connection refused"; pytorch/pytorch#135712).
@@ -25,36 +23,16 @@ from conftest import INJECT, inject_env, max_weight_diff, offline_env
 FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-def start_torchrun(launch_flags, args, tmp_path, env, experiment):
-    """torchrun <launch_flags> tests/inject.py <chapter 02's flags>, in its own process group."""
-    command = [sys.executable, "-m", "torch.distributed.run", *launch_flags, str(INJECT), *map(str, args),
-               "--save-dir", str(tmp_path / "outputs"), "-e", experiment]
-    return subprocess.Popen(
-        command, cwd=tmp_path, env={**offline_env(tmp_path), **FRESH_STORE, **env},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-
-
-def wait_all(processes, timeout=240):
-    """[(returncode, stdout, stderr)] of each; on a hang every process group is killed and the test fails."""
-    deadline = time.monotonic() + timeout
-    results = []
-    try:
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=max(1, deadline - time.monotonic()))
-            results.append((process.returncode, stdout, stderr))
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"torchrun hung for {timeout} s")
-    return results
+def start_torchrun(agent, args, tmp_path, env, experiment):
+    """torchrun <agent flags> tests/inject.py <chapter 02's flags>, on one or (nproc 1 each) several agents."""
+    nproc = 2 if "--standalone" in agent else 1
+    process, _ = start_chapter("02", args, tmp_path, nproc=nproc, env={**FRESH_STORE, **env}, experiment=experiment,
+                               script=INJECT, agent=agent)
+    return process
 
 
 def metrics(exp_dir):
-    path = exp_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line.strip()]
+    return read_metrics(exp_dir / "metrics.jsonl")
 
 
 @pytest.fixture
@@ -69,9 +47,8 @@ def test_a_killed_worker_is_restarted_and_the_job_ends_as_the_uninterrupted_run(
     both again (attempt 1 of --max-restarts=1), they resume from step 4, and the job exits 0."""
     args = [*common_args, "-b", 32, "--num-epochs", 2, "--ckpt-freq", 4]
     kill = inject_env("02", "sigkill", rank=1, after_step=6)
-    launch = ["--standalone", "--nproc_per_node=2", "--max-restarts=1"]
-    torchrun = start_torchrun(launch, args, tmp_path, kill, "killed")
-    [(returncode, stdout, stderr)] = wait_all([torchrun])
+    torchrun = start_torchrun(["--standalone", "--max-restarts=1"], args, tmp_path, kill, "killed")
+    [(returncode, stdout, stderr)] = wait_or_fail([torchrun], 240, "torchrun")
 
     assert returncode == 0, stderr[-4000:]
     assert "inject: sigkill on rank 1 after step 6" in stderr
@@ -95,11 +72,8 @@ def test_a_node_that_joins_restarts_every_worker_from_a_checkpoint_at_twice_the_
     alone; when the second arrives, the first's agent sends its worker SIGTERM, chapter 02 checkpoints at that
     step and exits, and both agents start one worker each, which resume at world size 2. -b stays 4 per rank,
     so the global batch goes from 4 to 8. --max-restarts=0: a membership change is not a failure."""
-    with socket.socket() as probe:
-        probe.bind(("localhost", 0))
-        port = probe.getsockname()[1]
-    launch = ["--nnodes=1:2", "--nproc_per_node=1", "--max-restarts=0", "--rdzv-backend=c10d",
-              f"--rdzv-endpoint=localhost:{port}", "--rdzv-id=scale-up",
+    launch = ["--nnodes=1:2", "--max-restarts=0", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint=localhost:{launching.free_port()}", "--rdzv-id=scale-up",
               # NOTE: the first agent waits this long for more nodes once it has its minimum (default 30 s)
               "--rdzv-conf=last_call_timeout=1"]
     args = [*common_args, "-b", 4, "--max-steps", SCALE_STEPS]
@@ -110,7 +84,7 @@ def test_a_node_that_joins_restarts_every_worker_from_a_checkpoint_at_twice_the_
     while not metrics(exp_dir) and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     second = start_torchrun(launch, args, tmp_path, env, "scale-up")
-    results = wait_all([first, second])
+    results = wait_or_fail([first, second], 240, "torchrun")
 
     assert [r[0] for r in results] == [0, 0], "\n".join(r[2][-3000:] for r in results)
     stdout = "".join(r[1] for r in results)

@@ -6,15 +6,12 @@ wrote, the same records `wandb sync` uploads. The modes change who logs, never t
 log the same global loss at every step, bit for bit (the same data, seeds and sums).
 """
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT, offline_env, record_launch, wandb_records
+import launching
+from conftest import ROOT, offline_env, record_launch, wait_or_fail, wandb_records
 
 SCRIPT = ROOT / "related-topics" / "experiment-tracking" / "train_wandb_modes.py"
 STEPS = 6
@@ -24,34 +21,18 @@ FIRST_LAUNCH_STEPS = 3  # the resumed every-rank run stops here, then a relaunch
 def launch(tmp_path, mode, steps, experiment, nnodes=1, nproc=2, timeout=180):
     """torchrun the script: one agent (--standalone), or `nnodes` agents on this machine meeting at a free
     port (c10d rendezvous), as `nnodes` nodes would. Fails the test on a hang or a non-zero exit."""
-    args = [SCRIPT, "--wandb-mode", mode, "--max-steps", steps, "--save-dir", tmp_path / "outputs",
-            "-e", experiment]
+    args = ["--wandb-mode", mode, "--max-steps", steps, "--save-dir", tmp_path / "outputs", "-e", experiment]
     if nnodes == 1:
-        agents = [["--standalone"]]
+        agents = [("--standalone",)]
     else:
-        with socket.socket() as probe:
-            probe.bind(("localhost", 0))
-            port = probe.getsockname()[1]
-        agents = [["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
-                   "--rdzv-id", experiment]] * nnodes
-    torchrun = [sys.executable, "-m", "torch.distributed.run"]
-    processes = [
-        subprocess.Popen(list(map(str, [*torchrun, *agent, "--nproc_per_node", nproc, *args])), cwd=tmp_path,
-                         env=offline_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, start_new_session=True)
-        for agent in agents
-    ]
-    outputs = []
-    try:
-        outputs = [process.communicate(timeout=timeout)[0] for process in processes]
-    except subprocess.TimeoutExpired:
-        for process in processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGKILL)
-        pytest.fail(f"{mode} on {nnodes} x {nproc} hung for {timeout} s")
-    assert [p.returncode for p in processes] == [0] * nnodes, "\n".join(o[-3000:] for o in outputs)
+        agents = [("--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   f"localhost:{launching.free_port()}", "--rdzv-id", experiment)] * nnodes
+    processes = [launching.start([*launching.command(SCRIPT, nproc, agent), *args], tmp_path, offline_env(tmp_path),
+                                 stderr=subprocess.STDOUT) for agent in agents]
+    results = wait_or_fail(processes, timeout, f"{mode} on {nnodes} x {nproc}")
+    assert [code for code, _, _ in results] == [0] * nnodes, "\n".join(out[-3000:] for _, out, _ in results)
     if nnodes == 1:
-        record_launch(SCRIPT, nproc, args[1:])
+        record_launch(SCRIPT, nproc, args)
     return tmp_path / "outputs" / experiment
 
 

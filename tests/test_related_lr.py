@@ -2,13 +2,14 @@
 sweep script trains chapter 01 at each batch size and learning rate and prints the table the README shows."""
 import math
 import re
-import runpy
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, offline_env
+import launching
+from conftest import ROOT, offline_env, wait_or_fail
+from launching import load_script, read_metrics
 
 FOLDER = ROOT / "related-topics" / "effective-batch-size-and-lr"
 SWEEP = FOLDER / "sweep.py"
@@ -16,7 +17,7 @@ SWEEP = FOLDER / "sweep.py"
 
 @pytest.fixture(scope="module")
 def sweep():
-    return runpy.run_path(str(SWEEP))
+    return load_script(SWEEP)
 
 
 @pytest.mark.parametrize("batch_size,linear,sqrt",
@@ -32,18 +33,18 @@ def test_linear_rule_scales_lr_with_the_batch_and_sqrt_rule_with_its_root(sweep,
 def test_sweep_trains_chapter_01_at_each_batch_size_and_prints_the_table(tmp_path):
     command = [sys.executable, str(SWEEP), "--batch-sizes", "8", "32", "--lrs", "1e-3", "--max-steps", "2",
                "--save-dir", str(tmp_path / "sweep")]
-    done = subprocess.run(command, cwd=tmp_path, env=offline_env(tmp_path), capture_output=True, text=True,
-                          timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+    [(returncode, stdout, stderr)] = wait_or_fail([launching.start(command, tmp_path, offline_env(tmp_path))], 180,
+                                                  "sweep.py")
+    assert returncode == 0, stderr[-3000:]
     rows = re.findall(r"^\| (\d+) \| (\d+) \| \*\*([\d.]+)\*\* \| ([\de.-]+) \| ([\de.-]+) \| ([\de.-]+) \|$",
-                      done.stdout, re.MULTILINE)
+                      stdout, re.MULTILINE)
     # one row per batch size: its steps (cut to 2), the loss, the best lr, and what the rules derive from 1e-3
-    assert [(b, steps) for b, steps, *_ in rows] == [("8", "2"), ("32", "2")], done.stdout
+    assert [(b, steps) for b, steps, *_ in rows] == [("8", "2"), ("32", "2")], stdout
     assert [tuple(float(lr) for lr in row[3:]) for row in rows] == [(1e-3, 1e-3, 1e-3), (1e-3, 4e-3, 2e-3)]
     # each row's loss is the last metrics line of the chapter 01 run it launched with that batch size
     for batch_size, _, loss, *_ in rows:
-        metrics = (tmp_path / "sweep" / f"b{batch_size}-lr0.001-steps2" / "metrics.jsonl").read_text()
-        assert abs(float(loss) - float(re.findall(r'"loss": ([\d.]+)', metrics)[-1])) < 1e-4
+        metrics = read_metrics(tmp_path / "sweep" / f"b{batch_size}-lr0.001-steps2" / "metrics.jsonl")
+        assert abs(float(loss) - metrics[-1]["loss"]) < 1e-4
 
 
 def test_sweep_rejects_a_batch_size_that_does_not_divide_the_token_budget(tmp_path):

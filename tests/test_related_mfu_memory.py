@@ -2,13 +2,13 @@
 AdamW state are the bytes the tensors hold after a step; bf16 autocast saves a bf16 copy of every matmul
 weight; and the README's FLOP formula is chapter 01's count, for the tiny model and Llama 3.1 8B's shape."""
 import re
-import runpy
 
 import pytest
 import torch
 import transformers
 
 from conftest import CHAPTERS, ROOT
+from launching import load_script
 
 FOLDER = ROOT / "related-topics" / "mfu-and-memory"
 README = (FOLDER / "README.md").read_text()
@@ -19,12 +19,12 @@ LLAMA_3_1_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336
 
 @pytest.fixture(scope="module")
 def arithmetic():
-    return runpy.run_path(str(FOLDER / "memory_arithmetic.py"))
+    return load_script(FOLDER / "memory_arithmetic.py")
 
 
 @pytest.fixture(scope="module")
 def chapter_01_flops():
-    return runpy.run_path(str(CHAPTERS["01"] / "train_llm.py"))["training_flops_per_token"]
+    return load_script(CHAPTERS["01"] / "train_llm.py")["training_flops_per_token"]
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])

@@ -2,7 +2,6 @@
 requirements.txt state it, every script knows it, and a torch older than its oldest end gets one warning line."""
 import io
 import re
-import runpy
 from contextlib import redirect_stderr
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 from torch.torch_version import TorchVersion
 
 from conftest import CHAPTERS, ROOT
+from launching import load_script
 
 SCRIPTS = {name: folder / "train_llm.py" for name, folder in CHAPTERS.items() if (folder / "train_llm.py").exists()}
 
@@ -33,7 +33,7 @@ def test_ci_runs_both_ends_of_the_torch_range_and_every_script_names_them():
     assert "bash .ci/torch-range.sh oldest" in ci and "bash .ci/torch-range.sh newest" in ci
     tested = (minor(ends["oldest"][0]), minor(ends["newest"][0]))
     for name, script in SCRIPTS.items():
-        assert runpy.run_path(str(script))["TESTED_TORCH"] == tested, name
+        assert load_script(script)["TESTED_TORCH"] == tested, name
     oldest, newest = ends["oldest"][0], ends["newest"][0]
     assert f"torch {oldest} to {newest}" in " ".join((ROOT / "README.md").read_text().split())
     assert f"torch {oldest} to {newest}" in (ROOT / "requirements.txt").read_text()
@@ -44,7 +44,7 @@ def test_ci_runs_both_ends_of_the_torch_range_and_every_script_names_them():
 @pytest.mark.parametrize("chapter", sorted(SCRIPTS))
 def test_a_torch_older_than_the_oldest_tested_gets_one_warning_line(chapter, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
-    script = runpy.run_path(str(SCRIPTS[chapter]))
+    script = load_script(SCRIPTS[chapter])
     oldest, newest = script["TESTED_TORCH"]
     outputs = {}
     for version in ("2.10.0+cu128", f"{oldest}.0+cu130", f"{newest}.1", torch.__version__):

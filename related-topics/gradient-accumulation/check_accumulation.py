@@ -9,7 +9,8 @@ labels -100 on the padding, so micro-batches and ranks hold different numbers of
 by the global batch's token count, or each micro-batch's mean loss divided by K. It compares each with the
 gradient of the global batch's mean loss, computed in one pass by a plain model. Then it times optimizer
 steps with the gradient sync skipped on all but the last micro-step and with a sync on every micro-step.
-Results are printed and written to <save-dir>/check_accumulation.json.
+Results are printed and written to <save-dir>/check_accumulation.json, the batch, the starting weights
+and every gradient to check_accumulation.pt.
 """
 import argparse
 import copy
@@ -56,12 +57,13 @@ def main():
     mine = slice(rank * rows_per_rank, (rank + 1) * rows_per_rank)
     micro_batches = list(zip(input_ids[mine].split(args.batch_size), labels[mine].split(args.batch_size)))
 
-    runs, wrapped = [], {}
+    runs, wrapped, grads = [], {}, {}
     for wrapper in ("ddp", "fsdp"):
         for sync, normalisation in CHECKS:
             candidate = wrap(copy.deepcopy(model), wrapper)
             accumulate(candidate, micro_batches, wrapper, sync, normalisation)
-            difference = max_relative_difference(candidate.parameters(), reference_grads)
+            grads[f"{wrapper}, {sync}, {normalisation}"] = full_grads(candidate.parameters())
+            difference = max_relative_difference(grads[f"{wrapper}, {sync}, {normalisation}"], reference_grads)
             runs.append({"wrapper": wrapper, "sync": sync, "normalisation": normalisation,
                          "max_relative_grad_difference": difference})
             if normalisation == "global tokens":
@@ -71,6 +73,9 @@ def main():
         run["seconds_per_step"] = seconds.get((run["wrapper"], run["sync"], run["normalisation"]))
     if rank == 0:
         report(args, world_size, [int((l != -100).sum()) for l in labels.split(args.batch_size)], runs)
+        # What a check of this script needs to compute the one-batch gradient on its own.
+        torch.save({"config": model.config.to_dict(), "weights": model.state_dict(), "input_ids": input_ids,
+                    "labels": labels, "grads": grads}, os.path.join(args.save_dir, "check_accumulation.pt"))
     # As in chapter 02: free the DDP wrappers before the process group, or the exit can hang.
     del wrapped, candidate
     gc.collect()
@@ -138,8 +143,12 @@ def accumulate(model, micro_batches, wrapper, sync, normalisation):
             loss.backward()
 
 
-def max_relative_difference(parameters, reference_grads):
-    grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in parameters]
+def full_grads(parameters):
+    """Every parameter's whole gradient (FSDP's sharded ones gathered: every rank must call this)."""
+    return [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone() for p in parameters]
+
+
+def max_relative_difference(grads, reference_grads):
     scale = max(g.abs().max().item() for g in reference_grads)
     return max((g - r).abs().max().item() for g, r in zip(grads, reference_grads)) / scale
 

@@ -47,19 +47,11 @@ from tqdm import tqdm
 @record
 def main():
     args = get_parser().parse_args()
-    warn_if_torch_is_older_than_tested()
+    check_args(args)
     # Schedulers (Slurm preemption, time limits) send a signal before they kill a job, and Ctrl-C sends SIGINT:
     # we finish the current step, save a checkpoint and exit, so a relaunch of the same command loses nothing.
-    stop_signals = []
-    for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
-        signal.signal(stop_signal, lambda signum, frame: request_stop(stop_signals, signum))
-    # torchrun starts workers in sessions of their own: if it is killed (kill -9, the OOM killer), the kernel
-    # sends us SIGTERM (PR_SET_PDEATHSIG = 1) and we stop with a checkpoint instead of training on as orphans.
-    if sys.platform == "linux":
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    stop_signals = stop_on_signals()
 
-    if "LOCAL_RANK" not in os.environ:
-        sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
     # torchrun sets these for each process. LOCAL_RANK, not rank % device_count, picks this node's GPU.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ["LOCAL_RANK"])
@@ -101,19 +93,11 @@ def main():
     # Tensor parallelism does not split the data: all ranks compute the same -b sequences together.
     global_batch_size = args.batch_size
     tokens_per_step = global_batch_size * args.seq_length
+    check_one_batch_fits(len(data), global_batch_size, args)
     steps_per_epoch = len(data) // global_batch_size
-    if steps_per_epoch == 0:
-        sys.exit(
-            f"error: the dataset gives {len(data)} sequences of {args.seq_length + 1} tokens, fewer than one "
-            f"batch of {global_batch_size}; use a smaller -b/--batch-size or -s/--seq-length, or more data"
-        )
     # --max-steps, when given, wins over --num-epochs (as in Hugging Face's Trainer): the data order repeats.
     total_steps = args.max_steps or steps_per_epoch * args.num_epochs
-    if rank == 0 and args.warmup_steps > total_steps // 2:
-        print(
-            f"warning: --warmup-steps {args.warmup_steps} covers most of the {total_steps} steps, so the learning "
-            f"rate hardly decays; pass --warmup-steps {max(1, total_steps // 20)} or train longer", file=sys.stderr
-        )
+    warn_if_mostly_warmup(args.warmup_steps, total_steps)
 
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
@@ -133,11 +117,7 @@ def main():
     checkpoint_dir = usable_checkpoint(exp_dir)
     if checkpoint_dir is not None:
         state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags)
-        if state["step"] > total_steps:
-            sys.exit(
-                f"error: checkpoint {checkpoint_dir} is at step {state['step']}, past the last step of this run "
-                f"({total_steps}); pass a larger --max-steps or --num-epochs, or a new -e/--experiment-name"
-            )
+        check_resume_step(state["step"], total_steps, checkpoint_dir)
         print(f"rank {rank}: resumed from {checkpoint_dir} at step {state['step']}")
     metrics_path = os.path.join(exp_dir, "metrics.jsonl")
     if rank == 0:
@@ -153,10 +133,8 @@ def main():
         import wandb
 
         # id + resume="allow": a relaunch of the same experiment continues the same wandb run.
-        wandb_run = wandb.init(
-            project="distributed-training-guide", name=args.experiment_name, id=args.experiment_name,
-            resume="allow", dir=exp_dir, config=vars(args),
-        )
+        wandb_run = wandb.init(project="distributed-training-guide", name=args.experiment_name,
+                               id=args.experiment_name, resume="allow", dir=exp_dir, config=vars(args))
 
     autocast = nullcontext() if compute_dtype == torch.float32 else torch.autocast(device.type, compute_dtype)
     peak_flops = peak_flops_per_second(device)
@@ -220,15 +198,9 @@ def main():
             stop = stop_votes > 0
             elapsed = time.perf_counter() - last_log_time
             tokens_per_s = tokens_per_step * (state["step"] - last_log_step) / elapsed
-            metrics = {
-                "step": state["step"],
-                "epoch": state["epoch"],
-                "loss": mean_loss,
-                "grad_norm": grad_norm.item(),
-                "lr": step_lr,
-                "tokens_per_s": tokens_per_s,
-                "peak_memory_gb": peak_memory_gb(device),
-            }
+            metrics = {"step": state["step"], "epoch": state["epoch"], "loss": mean_loss,
+                       "grad_norm": grad_norm.item(), "lr": step_lr, "tokens_per_s": tokens_per_s,
+                       "peak_memory_gb": peak_memory_gb(device)}
             exit_if_diverged(state["step"], mean_loss, metrics["grad_norm"])
             if peak_flops is not None:
                 # tokens_per_s counts the tokens of all ranks, so the peak is that of all their GPUs.
@@ -265,222 +237,16 @@ def main():
         sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
 
 
-def get_parser():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-m", "--model-name", type=hub_id_or_path, default=None,
-                        help="Hugging Face model id or local folder (default: a tiny Llama built offline)")
-    parser.add_argument("--from-pretrained", action="store_true",
-                        help="load the weights of -m (default: fresh weights from -m's config)")
-    parser.add_argument("-d", "--dataset-name", type=hub_id_or_path, default=None,
-                        help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
-                             "with a 'text' column (default: an offline synthetic corpus)")
-    parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
-    parser.add_argument("-b", "--batch-size", type=positive_int, default=8,
-                        help="sequences per step on this device")
-    parser.add_argument("-s", "--seq-length", type=positive_int, default=128, help="tokens per sequence")
-    parser.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
-    parser.add_argument("--warmup-steps", type=non_negative_int, default=20)
-    parser.add_argument("--max-steps", type=positive_int, default=None,
-                        help="train this many steps, over as many epochs as that takes (default: --num-epochs)")
-    parser.add_argument("--num-epochs", type=positive_int, default=1)
-    parser.add_argument("--max-grad-norm", type=positive_float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="compute dtype (default: bfloat16 on GPUs that have it, else float32); "
-                             "weights stay float32")
-    parser.add_argument("--attn-implementation", default=None,
-                        help="sdpa, eager or flash_attention_2 (default: sdpa, or eager if the model lacks it)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("-e", "--experiment-name", default="default",
-                        help="name of the run; relaunching the same name resumes it")
-    parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")
-    parser.add_argument("--ckpt-freq", type=positive_int, default=100,
-                        help="save a checkpoint every this many steps")
-    parser.add_argument("--log-freq", type=positive_int, default=10, help="log metrics every this many steps")
-    parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
-    return parser
-
-
-def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
-def hub_id_or_path(name):
-    """A name that can only be a local path (it starts with / . or ~, names a data file, or has more folders
-    than a Hub id's owner/name) must exist: a mistyped path must not go to the Hub and fail there after retries."""
-    extension = os.path.splitext(name)[1]
-    local = name.startswith(("/", ".", "~")) or extension in DATA_FILE_BUILDERS or name.count("/") > 1
-    if local and not os.path.exists(os.path.expanduser(name)):
-        raise argparse.ArgumentTypeError(f"no such file or folder: {name!r}")
-    return os.path.expanduser(name) if local else name
-
-
-def non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
-
-def positive_float(text):
-    value = float(text)
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-    return value
-
-
-# The oldest and the newest torch release that CI trains every chapter on (.ci/run).
-TESTED_TORCH = ("2.11", "2.15")
-
-
-def warn_if_torch_is_older_than_tested():
-    # Rank 0 alone: under torchrun every rank would print the same line.
-    if torch.__version__ < TESTED_TORCH[0] and os.environ.get("RANK", "0") == "0":
-        print(
-            f"warning: torch {torch.__version__} is older than the releases these scripts are tested on "
-            f"({TESTED_TORCH[0]} to {TESTED_TORCH[1]}); if a step fails, install torch {TESTED_TORCH[0]} or newer",
-            file=sys.stderr,
-        )
-
-
-def default_compute_dtype(device):
-    # Not emulated: a GPU older than Ampere has no bf16 tensor cores, and emulated bf16 is slower than fp32.
-    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
-        return "bfloat16"
-    return "float32"
-
-
-def make_experiment_dir(save_dir, experiment_name):
-    exp_dir = os.path.join(save_dir, experiment_name)
-    try:
-        os.makedirs(exp_dir, exist_ok=True)
-        probe = os.path.join(exp_dir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as error:
-        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
-    return exp_dir
-
-
-def run_on_rank_0(fn):
-    """fn() on rank 0 alone; every rank returns its result. If fn fails there (an error line, a full disk, any
-    exception), every rank exits with one line, instead of waiting for rank 0 in the next collective."""
-    outcome, failure = [None, None], None
-    if dist.get_rank() == 0:
-        try:
-            outcome = [fn(), None]
-        except SystemExit as error:
-            outcome = [None, str(error.code)]
-        except Exception as error:
-            failure = error
-            outcome = [None, full_disk_message(error) or f"error: rank 0 stopped with {type(error).__name__}: "
-                                                        f"{one_line(error)} (its traceback is in its output)"]
-    dist.broadcast_object_list(outcome, src=0)
-    if failure is not None and full_disk_message(failure) is None:
-        raise failure
-    if outcome[1] is not None:
-        sys.exit(outcome[1])
-    return outcome[0]
-
-
-def request_stop(stop_signals, signum):
-    # NOTE: a handler may run again while it runs (two signals in a row): taking a lock here, as
-    # threading.Event.set does, can deadlock. Appending to a list takes none.
-    stop_signals.append(signum)
-    # A second Ctrl-C ends the process at once, without waiting for the step and the checkpoint.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def load_config_and_tokenizer(args):
-    if args.model_name is None:
-        if args.from_pretrained:
-            sys.exit("error: --from-pretrained needs -m/--model-name (the default tiny model has no weights)")
-        config, tokenizer = tiny_llama_config(), transformers.ByT5Tokenizer(extra_ids=0)
-    else:
-        try:
-            config = transformers.AutoConfig.from_pretrained(args.model_name)
-            tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name)
-        except Exception as error:
-            sys.exit(
-                f"error: cannot load model {args.model_name!r} ({one_line(error)}); pass a Hugging Face model "
-                "id or a local folder with config.json and a tokenizer"
-            )
-    # NOTE: a token id past the embedding fails deep in the forward on CPU, and as a device-side assert on CUDA.
-    vocab_size = getattr(config, "vocab_size", None)
-    if vocab_size is not None and len(tokenizer) > vocab_size:
-        sys.exit(
-            f"error: the tokenizer of {args.model_name!r} has {len(tokenizer)} tokens, more than the model's "
-            f"{vocab_size} embeddings; pass a model whose tokenizer and config.json belong together"
-        )
-    max_positions = getattr(config, "max_position_embeddings", None)
-    if max_positions is not None and args.seq_length > max_positions:
-        sys.exit(
-            f"error: -s/--seq-length {args.seq_length} is longer than {args.model_name or 'the tiny model'}'s "
-            f"{max_positions} positions; pass -s {max_positions} or less"
-        )
-    return config, tokenizer
-
-
-DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
-
-def tiny_llama_config():
-    # vocab 272 = ByT5's 259 byte tokens rounded up so it divides by 2, 4, 8, 16 (tensor parallel shards).
-    return transformers.LlamaConfig(
-        vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=None, eos_token_id=1, pad_token_id=0,
-    )
-
-
-def check_tensor_parallel_fits(config, seq_length, tp_size):
-    """Every size the plan splits must divide by the number of ranks. Fail at once, before any weights load,
-    naming every size that does not and every number of ranks that would work."""
-    split_sizes = {
-        "attention heads": config.num_attention_heads,
-        "key/value heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        # 0 (divides by anything) where a model has no such setting: GPT-2, say, which tensor_parallelize
-        # then turns away with its own error.
-        "MLP channels (intermediate_size)": getattr(config, "intermediate_size", 0),
-        "vocabulary entries": config.vocab_size,
-        "tokens per sequence (-s, split by sequence parallelism)": seq_length,
-    }
-    not_dividing = [f"{size} {what}" for what, size in split_sizes.items() if size % tp_size]
-    if not_dividing:
-        # The model's sizes fix which counts can work; -s can be changed to suit any of them.
-        model_common = math.gcd(*(size for what, size in split_sizes.items() if not what.startswith("tokens")))
-        counts = [n for n in range(1, model_common + 1) if model_common % n == 0]
-        working = ", ".join(str(n) for n in counts if seq_length % n == 0)
-        ways = [f"launch with --nproc_per_node {working} (these divide them all)"]
-        ways += [f"--nproc_per_node {n} with -s {seq_length // n * n}"
-                 for n in counts if seq_length % n and seq_length > n]
-        sys.exit(
-            f"error: tensor parallelism over {tp_size} ranks splits sizes that do not divide by {tp_size}: "
-            f"{', '.join(not_dividing)}; {', or '.join(ways)}"
-        )
-
-
 def build_model(args, config, device):
-    try:
-        # Building under `with device` allocates the weights directly on the GPU, not in host RAM first.
-        with device:
-            if args.from_pretrained:
-                model = transformers.AutoModelForCausalLM.from_pretrained(
-                    args.model_name, dtype=torch.float32, attn_implementation=args.attn_implementation
-                )
-            else:
-                model = transformers.AutoModelForCausalLM.from_config(
-                    config, dtype=torch.float32, attn_implementation=args.attn_implementation
-                )
-    except (ImportError, ValueError, OSError) as error:
-        sys.exit(
-            f"error: cannot build model {args.model_name or 'tiny-llama'!r} ({one_line(error)}); pass a model "
-            "whose files are there (its weights, with --from-pretrained) and an --attn-implementation it supports"
+    # Building under `with device` allocates the weights directly on the GPU, not in host RAM first.
+    with exit_on_build_error(args), device:
+        if args.from_pretrained:
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                args.model_name, dtype=torch.float32, attn_implementation=args.attn_implementation
+            )
+        return transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=args.attn_implementation
         )
-    return model
 
 
 def tensor_parallelize(model, tp_mesh):
@@ -557,6 +323,154 @@ def tensor_parallelize(model, tp_mesh):
         )
 
 
+def check_tensor_parallel_fits(config, seq_length, tp_size):
+    """Every size the plan splits must divide by the number of ranks. Fail at once, before any weights load,
+    naming every size that does not and every number of ranks that would work."""
+    split_sizes = {
+        "attention heads": config.num_attention_heads,
+        "key/value heads": getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        # 0 (divides by anything) where a model has no such setting: GPT-2, say, which tensor_parallelize
+        # then turns away with its own error.
+        "MLP channels (intermediate_size)": getattr(config, "intermediate_size", 0),
+        "vocabulary entries": config.vocab_size,
+        "tokens per sequence (-s, split by sequence parallelism)": seq_length,
+    }
+    not_dividing = [f"{size} {what}" for what, size in split_sizes.items() if size % tp_size]
+    if not_dividing:
+        # The model's sizes fix which counts can work; -s can be changed to suit any of them.
+        model_common = math.gcd(*(size for what, size in split_sizes.items() if not what.startswith("tokens")))
+        counts = [n for n in range(1, model_common + 1) if model_common % n == 0]
+        working = ", ".join(str(n) for n in counts if seq_length % n == 0)
+        ways = [f"launch with --nproc_per_node {working} (these divide them all)"]
+        ways += [f"--nproc_per_node {n} with -s {seq_length // n * n}"
+                 for n in counts if seq_length % n and seq_length > n]
+        sys.exit(
+            f"error: tensor parallelism over {tp_size} ranks splits sizes that do not divide by {tp_size}: "
+            f"{', '.join(not_dividing)}; {', or '.join(ways)}"
+        )
+
+
+def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
+    with checkpoint_folder(exp_dir, state, param_shapes) as folder:
+        # get_state_dict names shards by parameter name and offsets: a checkpoint of N ranks loads into any number.
+        # dcp.save writes a file per rank, then rank 0 the index (.metadata); every node must see the folder.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+        # The data order has its own generator; the RNG states cover anything random in the model (dropout).
+        training_state = {"lr_schedule": lr_schedule.state_dict(), "rng": rng_state()}
+        run_on_rank_0(lambda: torch_save(training_state, os.path.join(folder, "checkpoint.pt")))
+
+
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags):
+    state = read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, "sharded (DCP)")
+    checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
+    # dcp.load fills these tensors in place, each rank reading its own shards. The optimizer's state goes through
+    # get_state_dict/set_state_dict: optimizer.state_dict() of a fresh optimizer has no tensors to fill.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    sharded_state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(sharded_state, checkpoint_id=checkpoint_dir)
+    set_state_dict(
+        model, optimizer, model_state_dict=sharded_state["model"], optim_state_dict=sharded_state["optimizer"]
+    )
+    lr_schedule.load_state_dict(checkpoint["lr_schedule"])
+    set_rng_state(checkpoint["rng"])
+    return state
+
+
+def rng_state():
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda_state}
+
+
+def set_rng_state(saved):
+    torch.set_rng_state(saved["cpu"])
+    if torch.cuda.is_available() and saved["cuda"] is not None:
+        torch.cuda.set_rng_state(saved["cuda"])
+
+
+def export_hf(hf_dir, model, tokenizer):
+    """Write the trained model in Hugging Face format: AutoModelForCausalLM.from_pretrained(hf_dir) loads it."""
+    # Rank 0 gathers the full weights into CPU memory one tensor at a time and holds them until they are written.
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return
+    # A tied matrix (one parameter under two names) comes back as two copies. Pointing both names at one
+    # copy lets HF see the tie and save the matrix once, as chapter 01 does.
+    first_copy = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        full_state[name] = first_copy.setdefault(param, full_state[name])
+    model.save_pretrained(hf_dir, state_dict=full_state)
+    tokenizer.save_pretrained(hf_dir)
+    print(f"saved the trained model to {hf_dir}")
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-m", "--model-name", type=hub_id_or_path, default=None,
+                        help="Hugging Face model id or local folder (default: a tiny Llama built offline)")
+    parser.add_argument("--from-pretrained", action="store_true",
+                        help="load the weights of -m (default: fresh weights from -m's config)")
+    parser.add_argument("-d", "--dataset-name", type=hub_id_or_path, default=None,
+                        help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
+                             "with a 'text' column (default: an offline synthetic corpus)")
+    parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
+    parser.add_argument("-b", "--batch-size", type=positive_int, default=8,
+                        help="sequences per step on this device")
+    parser.add_argument("-s", "--seq-length", type=positive_int, default=128, help="tokens per sequence")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=20)
+    parser.add_argument("--max-steps", type=positive_int, default=None,
+                        help="train this many steps, over as many epochs as that takes (default: --num-epochs)")
+    parser.add_argument("--num-epochs", type=positive_int, default=1)
+    parser.add_argument("--max-grad-norm", type=positive_float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="compute dtype (default: bfloat16 on GPUs that have it, else float32); "
+                             "weights stay float32")
+    parser.add_argument("--attn-implementation", default=None,
+                        help="sdpa, eager or flash_attention_2 (default: sdpa, or eager if the model lacks it)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("-e", "--experiment-name", default="default",
+                        help="name of the run; relaunching the same name resumes it")
+    parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")
+    parser.add_argument("--ckpt-freq", type=positive_int, default=100,
+                        help="save a checkpoint every this many steps")
+    parser.add_argument("--log-freq", type=positive_int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
+    return parser
+
+
+def default_compute_dtype(device):
+    # Not emulated: a GPU older than Ampere has no bf16 tensor cores, and emulated bf16 is slower than fp32.
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    return "float32"
+
+
+def load_config_and_tokenizer(args):
+    """-m's config and tokenizer, or the tiny Llama's with a byte tokenizer (nothing to download)."""
+    if args.model_name is None:
+        config, tokenizer = tiny_llama_config(), transformers.ByT5Tokenizer(extra_ids=0)
+    else:
+        with exit_on_error(f"cannot load model {args.model_name!r}",
+                           "pass a Hugging Face model id or a local folder with config.json and a tokenizer"):
+            config = transformers.AutoConfig.from_pretrained(args.model_name)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name)
+    check_model_fits_tokenizer(args, config, tokenizer)
+    return config, tokenizer
+
+
+def tiny_llama_config():
+    # vocab 272 = ByT5's 259 byte tokens rounded up so it divides by 2, 4, 8, 16 (tensor parallel shards).
+    return transformers.LlamaConfig(
+        vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=None, eos_token_id=1, pad_token_id=0,
+    )
+
+
+DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
 def load_and_pack(args, tokenizer):
     """Tokenize every document, join them with EOS between documents, and cut the token stream into rows
     of seq_length + 1 tokens. datasets caches the result next to the downloaded data."""
@@ -564,8 +478,7 @@ def load_and_pack(args, tokenizer):
         raw = datasets.Dataset.from_dict({"text": tiny_corpus()})
     else:
         raw = load_raw_dataset(args.dataset_name, args.dataset_subset)
-    if "text" not in raw.column_names:
-        sys.exit(f"error: dataset {args.dataset_name!r} has no 'text' column (it has {raw.column_names})")
+    check_text_column(raw, args.dataset_name)
     row_length = args.seq_length + 1
     eos = tokenizer.eos_token_id
 
@@ -581,43 +494,20 @@ def load_and_pack(args, tokenizer):
 
     packed = raw.map(tokenize_and_pack, batched=True, batch_size=1000, remove_columns=raw.column_names,
                      desc=f"tokenize and pack into rows of {row_length}")
-    if len(packed) == 0 and not any(raw["text"]):
-        sys.exit(f"error: dataset {args.dataset_name!r} has no text: its 'text' column is empty in all rows")
+    check_some_text(packed, raw, args.dataset_name)
     return packed.with_format("numpy")
 
 
 def load_raw_dataset(name, subset):
+    """A Hub dataset's train split, or a local .txt/.json/.jsonl/.parquet/.csv file or folder."""
     if os.path.isfile(name):
         check_data_file(name)
-    try:
+    with exit_on_error(f"cannot load dataset {name!r}", "pass a Hugging Face dataset id (and --dataset-subset if "
+                       "it has several), or a local file or folder"):
         if os.path.isfile(name):
             builder = DATA_FILE_BUILDERS[os.path.splitext(name)[1]]
             return datasets.load_dataset(builder, data_files=name, split="train")
         return datasets.load_dataset(name, subset, split="train")
-    except Exception as error:
-        sys.exit(
-            f"error: cannot load dataset {name!r} ({one_line(error)}); pass a Hugging Face dataset id "
-            "(and --dataset-subset if it has several), or a local file or folder"
-        )
-
-
-def check_data_file(path):
-    """Name what is wrong with a local data file before datasets gives a generic error about it."""
-    extension = os.path.splitext(path)[1]
-    if extension not in DATA_FILE_BUILDERS:
-        sys.exit(f"error: cannot read {path!r}: use a {', '.join(DATA_FILE_BUILDERS)} file or a folder of them")
-    if os.path.getsize(path) == 0:
-        sys.exit(f"error: {path!r} is empty")
-    if extension != ".parquet":
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-        try:
-            # The last 3 bytes may be a multi-byte character cut in two by the read.
-            (head if len(head) < 1 << 16 else head[:-3]).decode("utf-8")
-        except UnicodeDecodeError:
-            sys.exit(f"error: {path!r} is not a text file (not UTF-8); pass a {extension} file of text")
-        if b"\0" in head:
-            sys.exit(f"error: {path!r} is not a text file (it holds NUL bytes); pass a {extension} file of text")
 
 
 def tiny_corpus(num_documents=4000, seed=1234):
@@ -635,27 +525,6 @@ def tiny_corpus(num_documents=4000, seed=1234):
             f"Now {taker} has {had + given} {thing}."
         )
     return documents
-
-
-def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
-    """Multiplier of the peak learning rate: linear warmup, then one cosine down to final_fraction at the end."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def epoch_order(num_rows, seed, epoch):
-    return np.random.default_rng([seed, epoch]).permutation(num_rows)
-
-
-def to_device(rows, device):
-    batch = torch.from_numpy(rows)
-    # Only a copy from pinned (page-locked) memory runs asynchronously: the GPU fetches the batch while the CPU
-    # goes on queueing work. A copy from ordinary memory blocks the CPU despite non_blocking=True.
-    if device.type == "cuda":
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
 
 
 def training_flops_per_token(model, config, seq_length):
@@ -686,12 +555,208 @@ def peak_flops_per_second(device):
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
+def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
+    """Multiplier of the peak learning rate: linear warmup, then one cosine down to final_fraction at the end."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def truncate_metrics(path, after_step):
+    """After a resume, drop the lines that the interrupted run logged past its last checkpoint."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def epoch_order(num_rows, seed, epoch):
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def to_device(rows, device):
+    batch = torch.from_numpy(rows)
+    # Only a copy from pinned (page-locked) memory overlaps the GPU's work: from ordinary memory it blocks the CPU.
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
+
+
 def peak_memory_gb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     # On CPU the process's peak resident memory is the honest number (ru_maxrss: KiB on Linux, bytes on macOS).
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+
+
+def log_metrics(path, metrics, progress):
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
+    progress.write(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+
+
+# ============================================================================================================
+# The plumbing, the same in every chapter (checks, one-line errors, signals, safe checkpoints, exit): skip it.
+
+
+# --- Arguments and inputs: what argparse and the libraries would report late, or in a traceback ---
+
+
+def check_args(args):
+    """What argparse cannot check alone: how the script was launched, flags that need each other, the torch
+    version."""
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
+    warn_if_torch_is_older_than_tested()
+    if args.from_pretrained and args.model_name is None:
+        sys.exit("error: --from-pretrained needs -m/--model-name (the default tiny model has no weights)")
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def hub_id_or_path(name):
+    """A name that can only be a local path (it starts with / . or ~, names a data file, or has more folders
+    than a Hub id's owner/name) must exist: a mistyped path must not go to the Hub and fail there after retries."""
+    extension = os.path.splitext(name)[1]
+    local = name.startswith(("/", ".", "~")) or extension in DATA_FILE_BUILDERS or name.count("/") > 1
+    if local and not os.path.exists(os.path.expanduser(name)):
+        raise argparse.ArgumentTypeError(f"no such file or folder: {name!r}")
+    return os.path.expanduser(name) if local else name
+
+
+# The oldest and the newest torch release that CI trains every chapter on (.ci/run).
+TESTED_TORCH = ("2.11", "2.15")
+
+
+def warn_if_torch_is_older_than_tested():
+    # Rank 0 alone: under torchrun every rank would print the same line.
+    if torch.__version__ < TESTED_TORCH[0] and os.environ.get("RANK", "0") == "0":
+        print(
+            f"warning: torch {torch.__version__} is older than the releases these scripts are tested on "
+            f"({TESTED_TORCH[0]} to {TESTED_TORCH[1]}); if a step fails, install torch {TESTED_TORCH[0]} or newer",
+            file=sys.stderr,
+        )
+
+
+def make_experiment_dir(save_dir, experiment_name):
+    exp_dir = os.path.join(save_dir, experiment_name)
+    try:
+        os.makedirs(exp_dir, exist_ok=True)
+        probe = os.path.join(exp_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
+    return exp_dir
+
+
+@contextmanager
+def exit_on_error(what, fix, errors=(Exception,)):
+    """An error in the block becomes one line: what failed, the library's reason, and what to do."""
+    try:
+        yield
+    except errors as error:
+        sys.exit(f"error: {what} ({one_line(error)}); {fix}")
+
+
+def exit_on_build_error(args):
+    fix = ("pass a model whose files are there (its weights, with --from-pretrained) and an "
+           "--attn-implementation it supports")
+    return exit_on_error(f"cannot build model {args.model_name or 'tiny-llama'!r}", fix,
+                         (ImportError, ValueError, OSError))
+
+
+def one_line(error):
+    """The error's message as one line: some libraries spread it over several, with the cause on the last."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def check_model_fits_tokenizer(args, config, tokenizer):
+    # NOTE: a token id past the embedding fails deep in the forward on CPU, and as a device-side assert on CUDA.
+    vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        sys.exit(
+            f"error: the tokenizer of {args.model_name!r} has {len(tokenizer)} tokens, more than the model's "
+            f"{vocab_size} embeddings; pass a model whose tokenizer and config.json belong together"
+        )
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None and args.seq_length > max_positions:
+        sys.exit(
+            f"error: -s/--seq-length {args.seq_length} is longer than {args.model_name or 'the tiny model'}'s "
+            f"{max_positions} positions; pass -s {max_positions} or less"
+        )
+
+
+def check_data_file(path):
+    """Name what is wrong with a local data file before datasets gives a generic error about it."""
+    extension = os.path.splitext(path)[1]
+    if extension not in DATA_FILE_BUILDERS:
+        sys.exit(f"error: cannot read {path!r}: use a {', '.join(DATA_FILE_BUILDERS)} file or a folder of them")
+    if os.path.getsize(path) == 0:
+        sys.exit(f"error: {path!r} is empty")
+    if extension != ".parquet":
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        try:
+            # The last 3 bytes may be a multi-byte character cut in two by the read.
+            (head if len(head) < 1 << 16 else head[:-3]).decode("utf-8")
+        except UnicodeDecodeError:
+            sys.exit(f"error: {path!r} is not a text file (not UTF-8); pass a {extension} file of text")
+        if b"\0" in head:
+            sys.exit(f"error: {path!r} is not a text file (it holds NUL bytes); pass a {extension} file of text")
+
+
+def check_text_column(raw, name):
+    if "text" not in raw.column_names:
+        sys.exit(f"error: dataset {name!r} has no 'text' column (it has {raw.column_names})")
+
+
+def check_some_text(packed, raw, name):
+    if len(packed) == 0 and not any(raw["text"]):
+        sys.exit(f"error: dataset {name!r} has no text: its 'text' column is empty in all rows")
+
+
+def check_one_batch_fits(num_rows, global_batch_size, args):
+    if num_rows < global_batch_size:
+        ranks = global_batch_size // args.batch_size
+        split = f" ({ranks} ranks x -b {args.batch_size})" if ranks > 1 else ""
+        sys.exit(
+            f"error: the dataset gives {num_rows} sequences of {args.seq_length + 1} tokens, fewer than one batch "
+            f"of {global_batch_size}{split}; use a smaller -b/--batch-size or -s/--seq-length, or more data"
+        )
+
+
+def warn_if_mostly_warmup(warmup_steps, total_steps):
+    if warmup_steps > total_steps // 2 and os.environ.get("RANK", "0") == "0":
+        print(
+            f"warning: --warmup-steps {warmup_steps} covers most of the {total_steps} steps, so the learning rate "
+            f"hardly decays; pass --warmup-steps {max(1, total_steps // 20)} or train longer", file=sys.stderr
+        )
 
 
 def exit_if_diverged(step, loss, grad_norm):
@@ -705,21 +770,55 @@ def exit_if_diverged(step, loss, grad_norm):
         )
 
 
-def log_metrics(path, metrics, progress):
-    with open(path, "a") as f:
-        f.write(json.dumps(metrics) + "\n")
-    progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
-    progress.write(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+# --- Signals: a scheduler's warning or Ctrl-C ends the run after a step, with a checkpoint ---
 
 
-def truncate_metrics(path, after_step):
-    """After a resume, drop the lines that the interrupted run logged past its last checkpoint."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after_step]
-    with open(path, "w") as f:
-        f.writelines(kept)
+def stop_on_signals():
+    """A list that SIGTERM and SIGUSR1 (what schedulers send before they kill a job) and SIGINT (Ctrl-C) append
+    to: the training loop stops after the step it is in, with a checkpoint."""
+    stop_signals = []
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(stop_signal, lambda signum, frame: request_stop(stop_signals, signum))
+    # torchrun starts workers in sessions of their own: if it is killed (kill -9, the OOM killer), the kernel
+    # sends us SIGTERM (PR_SET_PDEATHSIG = 1) and we stop with a checkpoint instead of training on as orphans.
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    return stop_signals
+
+
+def request_stop(stop_signals, signum):
+    # NOTE: a handler may run again while it runs (two signals in a row): taking a lock here, as
+    # threading.Event.set does, can deadlock. Appending to a list takes none.
+    stop_signals.append(signum)
+    # A second Ctrl-C ends the process at once, without waiting for the step and the checkpoint.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# --- Errors that reach every rank: one rank's failure must not leave the others waiting in a collective ---
+
+
+def run_on_rank_0(fn):
+    """fn() on rank 0 alone; every rank returns its result. If fn fails there (an error line, a full disk, any
+    exception), every rank exits with one line, instead of waiting for rank 0 in the next collective."""
+    outcome, failure = [None, None], None
+    if dist.get_rank() == 0:
+        try:
+            outcome = [fn(), None]
+        except SystemExit as error:
+            outcome = [None, str(error.code)]
+        except Exception as error:
+            failure = error
+            outcome = [None, full_disk_message(error) or f"error: rank 0 stopped with {type(error).__name__}: "
+                                                        f"{one_line(error)} (its traceback is in its output)"]
+    dist.broadcast_object_list(outcome, src=0)
+    if failure is not None and full_disk_message(failure) is None:
+        raise failure
+    if outcome[1] is not None:
+        sys.exit(outcome[1])
+    return outcome[0]
+
+
+# --- Checkpoints that are complete and intact, or set aside: a .partial folder, a manifest, an atomic rename ---
 
 
 def usable_checkpoint(exp_dir):
@@ -740,16 +839,19 @@ def usable_checkpoint(exp_dir):
         damage = next(filter(None, damages), None)
         if damage is None:
             return checkpoint_dir
-        if dist.get_rank() == 0:
-            os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
-            print(f"warning: checkpoint {checkpoint_dir} is damaged ({damage}); set it aside as {name}.damaged",
-                  file=sys.stderr)
+        run_on_rank_0(lambda: set_aside(checkpoint_dir, damage))
     if complete:
         sys.exit(
             f"error: every checkpoint in {checkpoints_dir} is damaged (now *.damaged); move them away to start "
             "fresh, or pass a new -e/--experiment-name"
         )
     return None
+
+
+def set_aside(checkpoint_dir, damage):
+    os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
+    print(f"warning: checkpoint {checkpoint_dir} is damaged ({damage}); set it aside as "
+          f"{os.path.basename(checkpoint_dir)}.damaged", file=sys.stderr)
 
 
 def complete_checkpoints(checkpoints_dir):
@@ -837,15 +939,12 @@ def checkpoint_folder(exp_dir, state, param_shapes):
     run_on_rank_0(finish)
 
 
-def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
-    with checkpoint_folder(exp_dir, state, param_shapes) as folder:
-        # get_state_dict names shards by parameter name and offsets: a checkpoint of N ranks loads into any number.
-        # dcp.save writes a file per rank, then rank 0 the index (.metadata); every node must see the folder.
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
-        # The data order has its own generator; the RNG states cover anything random in the model (dropout).
-        training_state = {"lr_schedule": lr_schedule.state_dict(), "rng": rng_state()}
-        run_on_rank_0(lambda: torch_save(training_state, os.path.join(folder, "checkpoint.pt")))
+def remove_old_checkpoints(checkpoints_dir, keep=2):
+    """Keep the newest `keep` complete checkpoints (the one before the newest is the fallback if the newest
+    turns out damaged) and any *.damaged folder for inspection; remove the rest and stale .partial folders."""
+    stale = [name for name in os.listdir(checkpoints_dir) if name.endswith(".partial")]
+    for name in complete_checkpoints(checkpoints_dir)[:-keep] + stale:
+        shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
 
 
 def write_json(path, value):
@@ -859,20 +958,9 @@ def torch_save(obj, path):
         torch.save(obj, f)
 
 
-def remove_old_checkpoints(checkpoints_dir, keep=2):
-    """Keep the newest `keep` complete checkpoints (the one before the newest is the fallback if the newest
-    turns out damaged) and any *.damaged folder for inspection; remove the rest and stale .partial folders."""
-    stale = [name for name in os.listdir(checkpoints_dir) if name.endswith(".partial")]
-    for name in complete_checkpoints(checkpoints_dir)[:-keep] + stale:
-        shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
-
-
-# How this script's checkpoints hold the weights: one torch.save file (chapters 01 and 02) or sharded
-# with DCP, one file per rank (chapters 04-09).
-CHECKPOINT_FORMAT = "sharded (DCP)"
-
-
-def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags):
+def read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, checkpoint_format):
+    """The state.json of a checkpoint, after checking that this run can continue it: the same model, the same
+    fixed flags and this script's checkpoint format."""
     with open(os.path.join(checkpoint_dir, "state.json")) as f:
         state = json.load(f)
     saved_shapes = state.pop("param_shapes")
@@ -892,34 +980,12 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes,
         )
     # DCP writes a .metadata index; the one-file format has none.
     written_as = "sharded (DCP)" if os.path.exists(os.path.join(checkpoint_dir, ".metadata")) else "one file"
-    if written_as != CHECKPOINT_FORMAT:
+    if written_as != checkpoint_format:
         sys.exit(
-            f"error: checkpoint {checkpoint_dir} is {written_as}, this script's are {CHECKPOINT_FORMAT}; resume "
+            f"error: checkpoint {checkpoint_dir} is {written_as}, this script's are {checkpoint_format}; resume "
             "it with the script that wrote it, or pass a new -e/--experiment-name to start fresh"
         )
-    checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
-    # dcp.load fills these tensors in place, each rank reading its own shards. The optimizer's state goes through
-    # get_state_dict/set_state_dict: optimizer.state_dict() of a fresh optimizer has no tensors to fill.
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    sharded_state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(sharded_state, checkpoint_id=checkpoint_dir)
-    set_state_dict(
-        model, optimizer, model_state_dict=sharded_state["model"], optim_state_dict=sharded_state["optimizer"]
-    )
-    lr_schedule.load_state_dict(checkpoint["lr_schedule"])
-    set_rng_state(checkpoint["rng"])
     return state
-
-
-def rng_state():
-    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    return {"cpu": torch.get_rng_state(), "cuda": cuda_state}
-
-
-def set_rng_state(saved):
-    torch.set_rng_state(saved["cpu"])
-    if torch.cuda.is_available() and saved["cuda"] is not None:
-        torch.cuda.set_rng_state(saved["cuda"])
 
 
 def describe_mismatch(saved, current):
@@ -928,25 +994,15 @@ def describe_mismatch(saved, current):
     return f"{name}: {saved.get(name)} in the checkpoint, {current.get(name)} now"
 
 
-def export_hf(hf_dir, model, tokenizer):
-    """Write the trained model in Hugging Face format: AutoModelForCausalLM.from_pretrained(hf_dir) loads it."""
-    # Rank 0 gathers the full weights into CPU memory one tensor at a time and holds them until they are written.
-    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
-        return
-    # A tied matrix (one parameter under two names) comes back as two copies. Pointing both names at one
-    # copy lets HF see the tie and save the matrix once, as chapter 01 does.
-    first_copy = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        full_state[name] = first_copy.setdefault(param, full_state[name])
-    model.save_pretrained(hf_dir, state_dict=full_state)
-    tokenizer.save_pretrained(hf_dir)
-    print(f"saved the trained model to {hf_dir}")
+def check_resume_step(step, total_steps, checkpoint_dir):
+    if step > total_steps:
+        sys.exit(
+            f"error: checkpoint {checkpoint_dir} is at step {step}, past the last step of this run "
+            f"({total_steps}); pass a larger --max-steps or --num-epochs, or a new -e/--experiment-name"
+        )
 
 
-def one_line(error):
-    """The error's message as one line: some libraries spread it over several, with the cause on the last."""
-    return " ".join(str(error).split()) or type(error).__name__
+# --- The exit: one line for every error we can name, and no teardown that can hang or crash ---
 
 
 def full_disk_error(error):

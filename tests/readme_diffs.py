@@ -1,25 +1,54 @@
 """Keep the diffs that chapter READMEs show equal to the real diff between chapter scripts.
 
-A README marks a diff with a comment naming the two files (relative to the repository root), followed by
-a ```diff block:
+A README marks a diff with a comment naming the two files (relative to the repository root), and optionally
+one top-level function (or class) of them and which hunks of its diff to show, followed by a ```diff block:
 
-    <!-- diff 01-single-gpu/train_llm.py 02-distributed-data-parallel/train_llm.py -->
+    <!-- diff 02-distributed-data-parallel/train_llm.py 04-fully-sharded-data-parallel/train_llm.py -->
+    <!-- diff 02-distributed-data-parallel/train_llm.py 04-fully-sharded-data-parallel/train_llm.py shard_model -->
+    <!-- diff 02-distributed-data-parallel/train_llm.py 04-fully-sharded-data-parallel/train_llm.py main 2-3 -->
 
-`python tests/readme_diffs.py` rewrites every such block from the files; tests/test_readme_diffs.py fails
-when a block and the files disagree.
+The first shows the whole diff, the second the diff of shard_model alone (all `+` lines: it is new in 04),
+the third hunks 2 and 3 of the diff of main. Hunks are unified-diff hunks with 3 lines of context.
+
+`python tests/readme_diffs.py [README ...]` rewrites every such block from the files; tests/test_readme_diffs.py fails
+when a block and the files disagree, and when a block is longer than a reader can follow.
 """
+import ast
 import difflib
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MARKER = re.compile(r"<!-- diff (\S+) (\S+) -->\n```diff\n(.*?)```\n", re.DOTALL)
+MARKER = re.compile(r"<!-- diff (\S+) (\S+)(?: (\w+)(?: (\d+)(?:-(\d+))?)?)? -->\n```diff\n(.*?)```\n", re.DOTALL)
 
 
-def chapter_diff(old, new):
-    old_lines = (ROOT / old).read_text().splitlines(keepends=True)
-    new_lines = (ROOT / new).read_text().splitlines(keepends=True)
-    return "".join(difflib.unified_diff(old_lines, new_lines, fromfile=old, tofile=new))
+def top_level(path, name):
+    """The lines of a top-level function or class (with its decorators), [] if the file has none by that name."""
+    text = (ROOT / path).read_text()
+    lines = text.splitlines(keepends=True)
+    for node in ast.parse(text).body:
+        if getattr(node, "name", None) == name:
+            start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
+            return lines[start : node.end_lineno]
+    return []
+
+
+def chapter_diff(old, new, name=None, first=None, last=None):
+    """The unified diff of two files, or of one top-level function of them, or of some hunks of that."""
+    if name is None:
+        old_lines, new_lines = ((ROOT / path).read_text().splitlines(keepends=True) for path in (old, new))
+    else:
+        old_lines, new_lines = top_level(old, name), top_level(new, name)
+    diff = list(difflib.unified_diff(old_lines, new_lines, fromfile=old, tofile=new))
+    if first is None:
+        return "".join(diff)
+    hunk_starts = [index for index, line in enumerate(diff) if line.startswith("@@")]
+    last = first if last is None else last
+    if not 1 <= first <= last <= len(hunk_starts):
+        return f"(no hunks {first}-{last}: the diff of {name} has {len(hunk_starts)})\n"
+    end = hunk_starts[last] if last < len(hunk_starts) else len(diff)
+    return "".join(diff[:2] + diff[hunk_starts[first - 1] : end])
 
 
 def readmes():
@@ -28,20 +57,29 @@ def readmes():
 
 
 def diff_blocks(readme):
-    """(old file, new file, block text in the README) for each marked diff."""
-    return [match.groups() for match in MARKER.finditer(readme.read_text())]
+    """(old file, new file, function or None, first hunk or None, last hunk or None, block text) per block."""
+    blocks = []
+    for old, new, name, first, last, shown in MARKER.findall(readme.read_text()):
+        blocks.append((old, new, name or None, int(first) if first else None, int(last) if last else None, shown))
+    return blocks
 
 
 def rewrite(readme):
     text = readme.read_text()
-    updated = MARKER.sub(
-        lambda m: f"<!-- diff {m[1]} {m[2]} -->\n```diff\n{chapter_diff(m[1], m[2])}```\n", text
-    )
+
+    def block(match):
+        old, new, name, first, last = match[1], match[2], match[3], match[4], match[5]
+        shown = chapter_diff(old, new, name, int(first) if first else None, int(last) if last else None)
+        marker = match[0].split("\n", 1)[0]
+        return f"{marker}\n```diff\n{shown}```\n"
+
+    updated = MARKER.sub(block, text)
     if updated != text:
         readme.write_text(updated)
         print(f"updated {readme.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":
-    for readme in readmes():
+    # (with paths: only those READMEs)
+    for readme in [Path(arg).resolve() for arg in sys.argv[1:]] or readmes():
         rewrite(readme)

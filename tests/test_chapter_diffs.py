@@ -1,5 +1,7 @@
-"""Each chapter script is its parent chapter's script plus the lines of one technique: the diffs stay small, and
-every helper that the technique does not touch is the same text in both. Also checks the one piece of
+"""Each chapter script is its lesson on top and one band of plumbing below a rule line: the band is the same
+text in every chapter from 02 on (chapter 01's is it less what several processes need), the lesson comes
+first, and above the rule a chapter is its parent plus the lines of one technique: the diffs stay small, and
+every function that the technique does not touch is the same text in both. Also checks the one piece of
 arithmetic every chapter shares, the FLOP count behind MFU, against a count by hand."""
 import ast
 import re
@@ -12,33 +14,61 @@ import transformers
 from conftest import CHAPTERS, TINY_LLAMA
 from launching import load_script
 
-# (parent, chapter): the most changed lines `diff parent chapter` may show, and the functions that carry the
-# technique (all others must be identical). The top README prints these numbers.
+# (parent, chapter): the most changed lines `diff parent chapter` may show, and the functions above the rule
+# that carry the technique (all others must be identical). The top README prints these numbers.
 CHAPTER_DIFFS = {
     # Every rank enters a checkpoint save: rank 0 writes the one file, each rank checksums what it wrote and
-    # checks its share on resume.
-    ("01", "02"): (155, {"main", "run_on_rank_0", "usable_checkpoint", "write_manifest", "checkpoint_folder",
-                         "save_checkpoint"}),
-    ("02", "04"): (220, {"main", "make_device_mesh", "build_model", "shard_model", "transformer_blocks",
-                         "initialize_weights", "load_pretrained_weights", "save_checkpoint", "load_checkpoint",
-                         "export_hf", "get_parser"}),
-    ("04", "05"): (110, {"main", "get_parser", "build_model", "shard_model", "load_pretrained_weights"}),
+    # checks its share on resume (the band's multi-process lines, about 45 of these).
+    ("01", "02"): (145, {"main", "save_checkpoint"}),
+    ("02", "04"): (205, {"main", "build_model", "save_checkpoint", "load_checkpoint", "export_hf", "get_parser"}),
+    ("04", "05"): (105, {"main", "get_parser", "build_model", "shard_model", "load_pretrained_weights"}),
     # Tensor parallelism replaces DDP and takes chapter 04's DCP checkpoints and export (BORROWED below).
-    ("02", "06"): (210, {"main", "check_tensor_parallel_fits", "tensor_parallelize", "save_checkpoint",
-                         "load_checkpoint", "export_hf"}),
-    ("06", "07"): (60, {"main", "get_parser", "shard_model", "make_device_mesh", "check_tensor_parallel_fits"}),
+    ("02", "06"): (200, {"main", "save_checkpoint", "load_checkpoint", "export_hf"}),
+    # (and the forward without chapter 06's autocast: FSDP's mixed precision casts the weights)
+    ("06", "07"): (65, {"main", "get_parser", "check_tensor_parallel_fits"}),
     # A pipeline replaces the model's forward and backward with a schedule, and each rank's checkpoint part and
     # export cover its stages: chapter 04's DCP format, under the whole model's names.
-    ("02", "08"): (305, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf"}),
+    ("02", "08"): (290, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf"}),
     ("07", "09"): (355, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf"}),
 }
-# chapter: (the chapter whose text these helpers must be, the helpers)
+# chapter: (the chapter whose text these functions must be, the functions)
 BORROWED = {"06": ("04", {"save_checkpoint", "load_checkpoint", "export_hf"})}
 SCRIPTS = sorted({chapter for pair in CHAPTER_DIFFS for chapter in pair})
+RULE = "\n# ====="
+# Chapter 01's band is chapter 02's less the lines only several processes need, and for these lines, which do
+# the same in one process, their one-process form.
+ONE_PROCESS_LINES = {
+    'if int(os.environ.get("WORLD_SIZE", "1")) > 1:',
+    'sys.exit("error: this script trains in one process: run it with python (chapter 02\'s runs under torchrun)")',
+    "complete = complete_checkpoints(checkpoints_dir)",
+    "damage = checkpoint_damage(checkpoint_dir)",
+    "set_aside(checkpoint_dir, damage)",
+    "digests = {name: file_digest(os.path.join(checkpoint_dir, name)) for name in files}",
+    'write_json(os.path.join(checkpoint_dir, "manifest.json"), digests)',
+    "start()",
+    "finish()",
+}
+# What a reader of a chapter meets first: its technique, within the first screens of the file.
+TECHNIQUE_CALL = {"02": "DistributedDataParallel(", "04": "fully_shard(", "05": "fully_shard(",
+                  "06": "parallelize_module(", "07": "fully_shard(", "08": "PipelineStage(", "09": "PipelineStage("}
+# The checks a chapter keeps above the rule are its technique's own (a mesh that does not divide, a model the
+# plan does not fit); chapter 09 has those of 07 and 08, and its (pp, dp, tp) mesh.
+MOST_ERRORS_ABOVE_THE_RULE = {chapter: 5 for chapter in SCRIPTS} | {"09": 6}
 
 
 def script(chapter):
     return (CHAPTERS[chapter] / "train_llm.py").read_text()
+
+
+def lesson(chapter):
+    """The part of a chapter's script above its rule line."""
+    return script(chapter).split(RULE)[0]
+
+
+def band(chapter):
+    """The part of a chapter's script from its rule line on."""
+    text = script(chapter)
+    return text[text.index(RULE):]
 
 
 def changed_lines(parent, chapter):
@@ -49,9 +79,9 @@ def changed_lines(parent, chapter):
 
 
 def functions(source):
-    """Top-level function name -> its source text."""
+    """Top-level function (and class) name -> its source text."""
     return {node.name: ast.get_source_segment(source, node) for node in ast.parse(source).body
-            if isinstance(node, ast.FunctionDef)}
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef))}
 
 
 @pytest.mark.parametrize("parent,chapter", CHAPTER_DIFFS, ids=[f"{a}-{b}" for a, b in CHAPTER_DIFFS])
@@ -71,19 +101,52 @@ def test_the_top_readme_shows_each_diffs_real_size():
 
 
 @pytest.mark.parametrize("parent,chapter", CHAPTER_DIFFS, ids=[f"{a}-{b}" for a, b in CHAPTER_DIFFS])
-def test_helpers_outside_the_technique_are_the_parents_text(parent, chapter):
+def test_functions_outside_the_technique_are_the_parents_text(parent, chapter):
     _, technique = CHAPTER_DIFFS[parent, chapter]
-    ours, theirs = functions(script(chapter)), functions(script(parent))
+    ours, theirs = functions(lesson(chapter)), functions(lesson(parent))
     differing = [name for name in ours.keys() & theirs.keys() - technique if ours[name] != theirs[name]]
     assert not differing, f"chapter {chapter} changes {differing} of chapter {parent}, outside its technique"
 
 
 @pytest.mark.parametrize("chapter", BORROWED)
-def test_borrowed_helpers_are_the_lending_chapters_text(chapter):
+def test_borrowed_functions_are_the_lending_chapters_text(chapter):
     lender, helpers = BORROWED[chapter]
-    ours, theirs = functions(script(chapter)), functions(script(lender))
+    ours, theirs = functions(lesson(chapter)), functions(lesson(lender))
     differing = [name for name in sorted(helpers) if ours[name] != theirs[name]]
     assert not differing, f"chapter {chapter}'s {differing} differ from chapter {lender}'s"
+
+
+def test_the_band_is_the_same_text_in_every_chapter_from_02_on():
+    assert all(script(chapter).count(RULE) == 1 for chapter in SCRIPTS)
+    assert band("02").splitlines()[2].startswith("# The plumbing, the same in every chapter")
+    differing = [chapter for chapter in SCRIPTS if chapter != "01" and band(chapter) != band("02")]
+    assert not differing, f"the band of chapters {differing} differs from chapter 02's"
+
+
+def test_chapter_01s_band_is_chapter_02s_less_what_several_processes_need():
+    ones, several = band("01").splitlines(), band("02").splitlines()
+    matcher = __import__("difflib").SequenceMatcher(None, ones, several, autojunk=False)
+    only_in_01 = [line.strip() for tag, i1, i2, _, _ in matcher.get_opcodes() if tag in ("replace", "delete")
+                  for line in ones[i1:i2]]
+    assert set(only_in_01) <= ONE_PROCESS_LINES, sorted(set(only_in_01) - ONE_PROCESS_LINES)
+    # What 01 lacks are the lines about ranks inside the same functions, and the one function that only several
+    # processes need: run_on_rank_0.
+    only_in_02 = [line for tag, _, _, j1, j2 in matcher.get_opcodes() if tag in ("replace", "insert")
+                  for line in several[j1:j2]]
+    assert [line for line in only_in_02 if line.startswith("def ")] == ["def run_on_rank_0(fn):"]
+
+
+@pytest.mark.parametrize("chapter", SCRIPTS)
+def test_the_lesson_comes_first_and_keeps_only_the_techniques_own_errors(chapter):
+    text = lesson(chapter)
+    if chapter == "01":
+        assert len([line for line in text.splitlines() if line.strip()]) <= 350
+    else:
+        first_call = next(number for number, line in enumerate(script(chapter).splitlines(), 1)
+                          if TECHNIQUE_CALL[chapter] in line)
+        assert first_call <= 330, first_call
+    errors = re.findall(r"\berror: ", text)
+    assert len(errors) <= MOST_ERRORS_ABOVE_THE_RULE[chapter], len(errors)
 
 
 def test_every_script_line_fits_110_characters():

@@ -318,7 +318,8 @@ def test_planner_reads_what_the_checkpoint_stores(half, tiny_model, tmp_path, ca
 def checkpoint_without_safetensors(folder):
     write_tiny_model(folder)
     (folder / "model.safetensors").unlink()
-    return folder, f"error: {str(folder)!r} holds no *.safetensors files"
+    return folder, (f"error: --from-pretrained reads safetensors files from a local folder, and {str(folder)!r} is "
+                    "not one that holds them")
 
 
 def checkpoint_of_another_shape(folder):

@@ -55,10 +55,16 @@ def main():
     num_params = sum(p.numel() for p in model.parameters())
     print(f"model: {num_params / 1e6:.1f}M parameters, compute in {compute_dtype}")
 
-    data = load_and_pack(args, tokenizer)
-    global_batch_size = args.batch_size
+    data, val_data = load_and_pack(args, tokenizer)
+    # A step trains on the global batch: --grad-accum-steps micro-batches of -b rows, a backward each, their
+    # gradients added up before the optimizer step (a batch that does not fit the device in one pass).
+    fit_grad_accum_steps(args, 1)
+    global_batch_size = args.batch_size * args.grad_accum_steps
     tokens_per_step = global_batch_size * args.seq_length
+    data, val_data = hold_out_validation(data, val_data, global_batch_size, args)
     check_one_batch_fits(len(data), global_batch_size, args)
+    print(f"global batch: {global_batch_size} sequences (-b {args.batch_size} x {args.grad_accum_steps} "
+          f"micro-batches); {len(val_data) if val_data is not None else 'no'} validation rows")
     steps_per_epoch = len(data) // global_batch_size
     # --max-steps, when given, wins over --num-epochs (as in Hugging Face's Trainer): the data order repeats.
     total_steps = args.max_steps or steps_per_epoch * args.num_epochs
@@ -74,10 +80,12 @@ def main():
     # The data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure function of
     # (seed, epoch), so resuming needs no replay of skipped batches. loss_window holds the losses summed since
     # the last log line, so a resumed run logs the same averages as an uninterrupted one. The checkpoint keeps
-    # fixed_flags, which a relaunch must not change (batch size and number of ranks may change).
+    # fixed_flags, which a relaunch must not change: -b, --grad-accum-steps and the number of ranks may change,
+    # the global batch they make may not (it sets what a step is, and which rows are held out).
     fixed_flags = {"-d/--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
                    "-s/--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
-                   "--warmup-steps": args.warmup_steps}
+                   "--warmup-steps": args.warmup_steps, "--val-fraction": args.val_fraction,
+                   "the global batch (ranks x -b x --grad-accum-steps)": global_batch_size}
     state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0], "fixed_flags": fixed_flags}
     checkpoint_dir = usable_checkpoint(exp_dir)
     if checkpoint_dir is not None:
@@ -102,6 +110,7 @@ def main():
     if peak_flops is not None:
         print(f"MFU is relative to {peak_flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of this GPU")
     order = epoch_order(len(data), args.seed, state["epoch"])
+    eval_freq = args.eval_freq or args.ckpt_freq
     running_loss = torch.tensor(state["loss_window"][0], device=device)
     steps_since_log = state["loss_window"][1]
     progress = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not sys.stderr.isatty())
@@ -115,15 +124,22 @@ def main():
             order = epoch_order(len(data), args.seed, state["epoch"])
         batch_indices = order[state["samples_in_epoch"] : state["samples_in_epoch"] + global_batch_size]
         state["samples_in_epoch"] += global_batch_size
-        batch = to_device(data[batch_indices]["input_ids"], device)
+        rows = data[batch_indices]
+        # The step's loss is the mean over every label token of the global batch, what one pass over it gives:
+        # each micro-batch's summed loss over that count, not its mean over K (a row with a masked prompt has
+        # fewer label tokens than a full one, and a micro-batch of such rows must weigh less).
+        num_label_tokens = count_label_tokens(rows)
         # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
-        # NOTE: copies, not views: torch 2.11's pipeline stages (chapter 08) reject a view's strides.
-        input_ids, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-
-        with autocast:
-            logits = model(input_ids=input_ids, use_cache=False).logits
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
-        loss.backward()
+        input_ids, labels = inputs_and_labels(rows, device)
+        for micro_input_ids, micro_labels in zip(input_ids.split(args.batch_size), labels.split(args.batch_size)):
+            with autocast:
+                logits = model(input_ids=micro_input_ids, use_cache=False).logits
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), micro_labels.flatten(0, 1), reduction="sum")
+            loss = loss / num_label_tokens
+            loss.backward()
+            # NOTE: nothing in a step reads a value back from the GPU (.item(), printing a tensor): the CPU queues
+            # the next step while the GPU computes this one. Losses are summed on the device until a log step.
+            running_loss += loss.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         # Read before the schedule advances, so the logged lr is the one this step used.
@@ -133,18 +149,19 @@ def main():
         state["step"] += 1
         progress.update(1)
 
-        # NOTE: nothing in a step reads a value back from the GPU (.item(), printing a tensor): the CPU queues
-        # the next step while the GPU computes this one. Losses are summed on the device until a log step.
-        running_loss += loss.detach()
         steps_since_log += 1
         stop = bool(stop_signals)
-        if state["step"] % args.log_freq == 0 or state["step"] == total_steps:
+        # The validation loss, at each checkpoint (or --eval-freq) and at the end, gets a log line of its own.
+        evaluate_now = val_data is not None and (state["step"] % eval_freq == 0 or state["step"] == total_steps)
+        if state["step"] % args.log_freq == 0 or state["step"] == total_steps or evaluate_now:
             mean_loss = running_loss.item() / steps_since_log
             elapsed = time.perf_counter() - last_log_time
             tokens_per_s = tokens_per_step * (state["step"] - last_log_step) / elapsed
             metrics = {"step": state["step"], "epoch": state["epoch"], "loss": mean_loss,
                        "grad_norm": grad_norm.item(), "lr": step_lr, "tokens_per_s": tokens_per_s,
                        "peak_memory_gb": peak_memory_gb(device)}
+            if evaluate_now:
+                metrics["val_loss"] = evaluate(model, val_data, args, device, autocast)
             exit_if_diverged(state["step"], mean_loss, metrics["grad_norm"])
             if peak_flops is not None:
                 metrics["mfu"] = tokens_per_s * flops_per_token / peak_flops
@@ -219,6 +236,20 @@ def export_hf(hf_dir, model, tokenizer):
     print(f"saved the trained model to {hf_dir}")
 
 
+@torch.no_grad()
+def evaluate(model, val_data, args, device, autocast):
+    """The mean loss over every label token of the validation rows, in eval mode (no dropout)."""
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    for start in range(0, len(val_data), args.batch_size):
+        input_ids, labels = inputs_and_labels(val_data[start : start + args.batch_size], device)
+        with autocast:
+            logits = model(input_ids=input_ids, use_cache=False).logits
+        loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+    model.train()
+    return loss_sum.item() / count_label_tokens(val_data[:])
+
+
 def get_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-m", "--model-name", type=hub_id_or_path, default=None,
@@ -230,7 +261,11 @@ def get_parser():
                              "with a 'text' column (default: an offline synthetic corpus)")
     parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
     parser.add_argument("-b", "--batch-size", type=positive_int, default=8,
-                        help="sequences per step on this device")
+                        help="sequences per micro-batch on this device")
+    parser.add_argument("--grad-accum-steps", type=positive_int, default=1,
+                        help="micro-batches per optimizer step, their gradients added up first")
+    parser.add_argument("--global-batch-size", type=positive_int, default=None,
+                        help="sequences per optimizer step over all ranks: sets --grad-accum-steps to make it")
     parser.add_argument("-s", "--seq-length", type=positive_int, default=128, help="tokens per sequence")
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=non_negative_int, default=20)
@@ -251,6 +286,10 @@ def get_parser():
     parser.add_argument("--ckpt-freq", type=positive_int, default=100,
                         help="save a checkpoint every this many steps")
     parser.add_argument("--log-freq", type=positive_int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--val-fraction", type=fraction, default=0.01,
+                        help="rows held out for validation if the dataset has no validation split (0: none)")
+    parser.add_argument("--eval-freq", type=positive_int, default=None,
+                        help="validation loss every this many steps and at the end (default: at each checkpoint)")
     parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
     return parser
 
@@ -287,42 +326,90 @@ DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parqu
 
 
 def load_and_pack(args, tokenizer):
-    """Tokenize every document, join them with EOS between documents, and cut the token stream into rows
-    of seq_length + 1 tokens. datasets caches the result next to the downloaded data."""
+    """The training rows and the validation rows (None if the dataset has no validation split): every document
+    tokenized, documents joined with EOS between them, the token stream cut into rows of seq_length + 1 tokens.
+    A dataset with a 'prompt' column trains on each 'text' after its prompt: the prompt's tokens get label
+    -100 (a 'labels' column beside 'input_ids'), so they are read, never predicted. datasets caches the rows."""
     if args.dataset_name is None:
-        raw = datasets.Dataset.from_dict({"text": tiny_corpus()})
+        splits = [datasets.Dataset.from_dict({"text": tiny_corpus()}), None]
     else:
-        raw = load_raw_dataset(args.dataset_name, args.dataset_subset)
-    check_text_column(raw, args.dataset_name)
+        splits = load_raw_dataset(args.dataset_name, args.dataset_subset)
+    check_text_column(splits[0], args.dataset_name)
     row_length = args.seq_length + 1
     eos = tokenizer.eos_token_id
 
     def tokenize_and_pack(batch):
-        stream = []
-        texts = [text for text in batch["text"] if text]
-        for ids in tokenizer(texts)["input_ids"] if texts else []:
-            stream.extend(ids)
+        has_prompt = "prompt" in batch
+        kept = [index for index, text in enumerate(batch["text"]) if text]
+        # (with a prompt, the special tokens a tokenizer adds, such as BOS, go before the prompt)
+        texts = tokenizer([batch["text"][i] for i in kept], add_special_tokens=not has_prompt)["input_ids"] \
+            if kept else []
+        prompts = tokenizer([batch["prompt"][i] or "" for i in kept])["input_ids"] if has_prompt and kept \
+            else [[] for _ in kept]
+        stream, labels = [], []
+        for prompt_ids, ids in zip(prompts, texts):
             if eos is not None and (not ids or ids[-1] != eos):
-                stream.append(eos)
+                ids = ids + [eos]
+            stream += prompt_ids + ids
+            labels += [-100] * len(prompt_ids) + ids
+        rows = {"input_ids": stream, "labels": labels} if has_prompt else {"input_ids": stream}
         num_rows = len(stream) // row_length
-        return {"input_ids": [stream[i * row_length : (i + 1) * row_length] for i in range(num_rows)]}
+        return {key: [tokens[i * row_length : (i + 1) * row_length] for i in range(num_rows)]
+                for key, tokens in rows.items()}
 
-    packed = raw.map(tokenize_and_pack, batched=True, batch_size=1000, remove_columns=raw.column_names,
-                     desc=f"tokenize and pack into rows of {row_length}")
-    check_some_text(packed, raw, args.dataset_name)
-    return packed.with_format("numpy")
+    packed = [None if raw is None else raw.map(
+        tokenize_and_pack, batched=True, batch_size=1000, remove_columns=raw.column_names,
+        desc=f"tokenize and pack into rows of {row_length}",
+    ).with_format("numpy") for raw in splits]
+    check_some_text(packed[0], splits[0], args.dataset_name)
+    return packed
 
 
 def load_raw_dataset(name, subset):
-    """A Hub dataset's train split, or a local .txt/.json/.jsonl/.parquet/.csv file or folder."""
+    """A Hub dataset's train and validation splits, or a local .txt/.json/.jsonl/.parquet/.csv file or folder
+    (a train split only, but for a folder's validation files)."""
     if os.path.isfile(name):
         check_data_file(name)
     with exit_on_error(f"cannot load dataset {name!r}", "pass a Hugging Face dataset id (and --dataset-subset if "
                        "it has several), or a local file or folder"):
         if os.path.isfile(name):
             builder = DATA_FILE_BUILDERS[os.path.splitext(name)[1]]
-            return datasets.load_dataset(builder, data_files=name, split="train")
-        return datasets.load_dataset(name, subset, split="train")
+            return [datasets.load_dataset(builder, data_files=name, split="train"), None]
+        train = datasets.load_dataset(name, subset, split="train")
+    try:
+        return [train, datasets.load_dataset(name, subset, split="validation")]
+    except ValueError:  # (datasets' answer for a split the dataset does not have)
+        return [train, None]
+
+
+def hold_out_validation(data, val_data, global_batch_size, args):
+    """The training rows and the validation rows, as whole global batches. Without a validation split,
+    --val-fraction of the rows (at least one global batch) are drawn by --seed and held out: the same rows in
+    every chapter and on any number of ranks at the same global batch, and never trained on."""
+    if val_data is None and args.val_fraction > 0:
+        num_val = min(len(data), math.ceil(args.val_fraction * len(data) / global_batch_size) * global_batch_size)
+        held_out = np.random.default_rng([args.seed, len(data)]).permutation(len(data))
+        val_data = data.select(np.sort(held_out[:num_val]))
+        data = data.select(np.sort(held_out[num_val:]))
+    if val_data is not None:
+        val_data = val_data.select(range(len(val_data) // global_batch_size * global_batch_size))
+    return data, val_data if val_data is not None and len(val_data) else None
+
+
+def inputs_and_labels(rows, device):
+    """A batch's model inputs and next-token labels, row[:-1] and row[1:]: every token is a label but a
+    prompt's, which is -100 (ignored by cross_entropy)."""
+    input_ids = to_device(rows["input_ids"], device)
+    labels = to_device(rows["labels"], device) if "labels" in rows else input_ids
+    # NOTE: copies, not views: torch 2.11's pipeline stages (chapter 08) reject a view's strides.
+    return input_ids[:, :-1].contiguous(), labels[:, 1:].contiguous()
+
+
+def count_label_tokens(rows):
+    """The number of tokens that rows have a label for (not -100), counted on the CPU: no GPU sync."""
+    if "labels" in rows:
+        return int((rows["labels"][:, 1:] != -100).sum())
+    return rows["input_ids"][:, 1:].size
 
 
 def tiny_corpus(num_documents=4000, seed=1234):
@@ -446,6 +533,13 @@ def non_negative_int(text):
     return value
 
 
+def fraction(text):
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction from 0 to below 1")
+    return value
+
+
 def positive_float(text):
     value = float(text)
     if not value > 0 or math.isinf(value):
@@ -557,13 +651,30 @@ def check_some_text(packed, raw, name):
 
 
 def check_one_batch_fits(num_rows, global_batch_size, args):
+    """The training rows (after the validation rows are held out) must make at least one global batch."""
     if num_rows < global_batch_size:
-        ranks = global_batch_size // args.batch_size
-        split = f" ({ranks} ranks x -b {args.batch_size})" if ranks > 1 else ""
+        parts = global_batch_size // args.batch_size
+        split = f" ({parts} ranks and micro-batches of -b {args.batch_size})" if parts > 1 else ""
         sys.exit(
-            f"error: the dataset gives {num_rows} sequences of {args.seq_length + 1} tokens, fewer than one batch "
-            f"of {global_batch_size}{split}; use a smaller -b/--batch-size or -s/--seq-length, or more data"
+            f"error: the dataset gives {num_rows} training sequences of {args.seq_length + 1} tokens, fewer than "
+            f"one batch of {global_batch_size}{split}; use a smaller -b/--batch-size, --grad-accum-steps or "
+            "-s/--seq-length, or more data"
         )
+
+
+def fit_grad_accum_steps(args, data_parallel_size):
+    """With --global-batch-size, the --grad-accum-steps that make it at -b on this many data-parallel ranks: a
+    relaunch on another number of ranks (a node added or lost) then trains the same global batch."""
+    if args.global_batch_size is None:
+        return
+    rows_per_micro_step = data_parallel_size * args.batch_size
+    if args.global_batch_size % rows_per_micro_step:
+        sys.exit(
+            f"error: --global-batch-size {args.global_batch_size} is not a multiple of {data_parallel_size} "
+            f"data-parallel ranks x -b {args.batch_size} = {rows_per_micro_step}; pass a -b (or a number of "
+            "ranks) whose product divides it"
+        )
+    args.grad_accum_steps = args.global_batch_size // rows_per_micro_step
 
 
 def warn_if_mostly_warmup(warmup_steps, total_steps):

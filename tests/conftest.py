@@ -358,16 +358,21 @@ def assert_same_training(ours, reference, steps=None, first_step=1):
     steps = steps or len(reference.metrics)
     assert [m["step"] for m in ours.metrics] == [m["step"] for m in reference.metrics] == list(range(1, steps + 1))
     compared = list(zip(ours.metrics, reference.metrics))[first_step - 1 :]
+    # The validation loss is on the lines of the evaluation steps, the same steps in both runs.
+    assert [("val_loss" in mine) for mine, _ in compared] == [("val_loss" in theirs) for _, theirs in compared]
     differences = {
         "loss": max(abs(mine["loss"] - theirs["loss"]) for mine, theirs in compared),
         "grad_norm": max(abs(mine["grad_norm"] / theirs["grad_norm"] - 1) for mine, theirs in compared),
         "weights": max_weight_diff(ours.exp_dir / "hf", reference.exp_dir / "hf"),
+        "val_loss": max([abs(mine["val_loss"] - theirs["val_loss"]) for mine, theirs in compared
+                         if "val_loss" in mine], default=0.0),
     }
     if os.environ.get("PARITY_RECORD"):  # PARITY_RECORD=<file> python -m pytest: how MEASURED was measured
         with open(os.environ["PARITY_RECORD"], "a") as f:
             f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST"), **differences}) + "\n")
     assert all(mine["lr"] == theirs["lr"] for mine, theirs in compared)
     assert differences["loss"] < LOSS_TOLERANCE, (differences, ours.losses, reference.losses)
+    assert differences["val_loss"] < LOSS_TOLERANCE, differences
     # NOTE: with clipping active, a norm that missed a piece of the model (a dp or tp slice, a pipeline stage)
     # or counted one twice changes the updates, which the loss alone may hide for a few steps.
     assert differences["grad_norm"] < GRAD_NORM_TOLERANCE, differences

@@ -112,7 +112,8 @@ def main():
     work_dir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     try:
         model_dir = write_model_folder(work_dir / "model", setup["shape"])
-        num_rows = setup["batch_size"] * setup["steps"]
+        # (one batch more: the chapters hold one out for the validation loss)
+        num_rows = setup["batch_size"] * (setup["steps"] + 1)
         corpus = write_corpus(work_dir / "corpus.txt", num_rows, setup["seq_length"])
         model_args = ["-m", model_dir, "-d", corpus, "-b", setup["batch_size"], "-s", setup["seq_length"],
                       "--max-steps", setup["steps"], "--log-freq", setup["log_freq"], "--ckpt-freq", 1000]

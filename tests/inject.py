@@ -24,6 +24,12 @@ INJECT=kept-outputs   after the k-th step, print "rank r: kept_output_chunks N":
                       rank's pipeline stages still hold (a schedule keeps each one unless told not to)
 INJECT=checksums      print "rank r: checksums step-N[.partial]/<file>" for every checkpoint file this rank reads
                       to checksum it (opened within the script's file_digest), when saving and when resuming
+INJECT=ddp-all-reduces  at exit, print "rank r: ddp_all_reduces {json}": the gradient all-reduces DDP ran (its
+                      buckets), by optimizer step (1 = the first)
+INJECT=label-counts   at exit, print "rank r: label_counts [n, ...]": the label tokens (not -100) of each
+                      cross_entropy call, in order (one a micro-batch in chapter 01)
+INJECT=rows           at exit, print "rank r: rows {json}": the token rows the model read in training and in
+                      evaluation, in order (hashes of the input_ids rows of each forward of the whole model)
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -82,6 +88,18 @@ def shard_bytes(optimizer):
 
 
 steps_done = 0
+
+
+def report_at_exit(line):
+    """Print "rank r: <line()>" when the script leaves (the chapters leave through os._exit)."""
+    real_exit = os._exit
+
+    def report_then_exit(code):
+        sys.stdout.write(f"rank {rank}: {line()}\n")
+        sys.stdout.flush()
+        real_exit(code)
+
+    os._exit = report_then_exit
 
 
 def after_optimizer_step(optimizer, args, kwargs):
@@ -169,14 +187,7 @@ elif what == "count-collectives":
         steps_done += 1
 
     register_optimizer_step_post_hook(count_steps)
-    real_exit = os._exit
-
-    def report_then_exit(code):
-        sys.stdout.write(f"rank {rank}: collectives {json.dumps(collectives)}\n")
-        sys.stdout.flush()
-        real_exit(code)
-
-    os._exit = report_then_exit
+    report_at_exit(lambda: f"collectives {json.dumps(collectives)}")
 elif what == "applied-lr":
     def report_lr(optimizer, args, kwargs):
         sys.stdout.write(f"rank {rank}: step {steps_done + 1} lr {optimizer.param_groups[0]['lr']!r}\n")
@@ -201,6 +212,54 @@ elif what == "checksums":
             sys.stdout.flush()
 
     sys.addaudithook(report_checksums)
+elif what == "ddp-all-reduces":
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    from torch.nn.parallel import DistributedDataParallel
+
+    all_reduces, real_init = {}, DistributedDataParallel.__init__
+
+    def counted_hook(state, bucket):
+        all_reduces[steps_done + 1] = all_reduces.get(steps_done + 1, 0) + 1
+        return allreduce_hook(state, bucket)
+
+    def init_with_counting_hook(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        # DDP's default all-reduce, with a count: a comm hook is DDP's public way to see each bucket's all-reduce.
+        self.register_comm_hook(self.process_group, counted_hook)
+
+    def count_steps(optimizer, args, kwargs):
+        global steps_done
+        steps_done += 1
+
+    DistributedDataParallel.__init__ = init_with_counting_hook
+    register_optimizer_step_post_hook(count_steps)
+    report_at_exit(lambda: f"ddp_all_reduces {json.dumps(all_reduces)}")
+elif what == "label-counts":
+    import torch.nn.functional as F
+
+    label_counts, real_cross_entropy = [], F.cross_entropy
+
+    def counted_cross_entropy(input, target, *args, **kwargs):
+        label_counts.append(int((target != -100).sum()))
+        return real_cross_entropy(input, target, *args, **kwargs)
+
+    F.cross_entropy = counted_cross_entropy  # the chapters call it through the module
+    report_at_exit(lambda: f"label_counts {json.dumps(label_counts)}")
+elif what == "rows":
+    import hashlib
+
+    seen = {"train": [], "eval": []}
+
+    def record_rows(module, args):
+        # (a global hook sees positional arguments only: the chapters pass input_ids by keyword to the model,
+        # which passes them on to its embedding)
+        input_ids = args[0] if args and isinstance(module, torch.nn.Embedding) else None
+        if input_ids is not None and input_ids.dtype == torch.long:
+            kind = "train" if torch.is_grad_enabled() else "eval"  # (evaluation runs under no_grad)
+            seen[kind].extend(hashlib.sha1(str(row).encode()).hexdigest() for row in input_ids.tolist())
+
+    torch.nn.modules.module.register_module_forward_pre_hook(record_rows)
+    report_at_exit(lambda: f"rows {json.dumps(seen)}")
 else:
     raise SystemExit(f"inject.py: unknown INJECT={what!r}")
 

@@ -7,7 +7,9 @@ the LR schedule or an RNG).
 """
 import hashlib
 import io
+import json
 import math
+import random
 import re
 import shutil
 import signal
@@ -17,7 +19,10 @@ import sentencepiece
 import torch
 import transformers
 
-from conftest import INJECT, inject_env, max_weight_diff, measured, run_chapter, wandb_history, write_tiny_model
+from conftest import (
+    INJECT, assert_same_training, inject_env, max_weight_diff, measured, run_chapter, wandb_history,
+    write_tiny_model,
+)
 from launching import without_timing
 
 # NOTE: 8 steps with a checkpoint every 2: long enough to stop in the middle, short enough for a test.
@@ -275,7 +280,7 @@ def assert_fails_with_one_line(run, message, cost):
 def test_resumed_metrics_equal_the_uninterrupted_ones_line_for_line(common_args, launch_once, tmp_path):
     """Stopped at step 4, inside the logging window of steps 4-6: the resumed run's step-6 line must average
     the same three losses as the uninterrupted run's."""
-    args = [*common_args, *EXACT, "--log-freq", 3]
+    args = [*common_args, *EXACT, "--log-freq", 3, "--eval-freq", 1000]  # (a validation loss at the end only)
     uninterrupted = launch_once("01", args)
     stopped = interrupted(tmp_path, args, "sigterm", after_step=4)
     assert stopped.returncode == 1
@@ -348,8 +353,85 @@ def test_with_every_checkpoint_damaged_it_stops_with_one_line(common_args, tmp_p
 
 
 def test_max_steps_beyond_one_epoch_trains_that_many_steps(common_args, launch_once):
-    """As in Hugging Face's Trainer, --max-steps wins over --num-epochs (default 1): the tiny data set gives 11
-    steps of 64 sequences an epoch, so 15 steps run into a second epoch instead of stopping after 11."""
+    """As in Hugging Face's Trainer, --max-steps wins over --num-epochs (default 1): the tiny data set packs into
+    718 rows, 64 of which (1%, rounded up to a global batch) are held out for validation, so an epoch is 10 steps
+    of 64 and 15 steps run into a second epoch instead of stopping after 10."""
     run = launch_once("01", [*common_args, "-b", 64, "--max-steps", 15])
+    assert "global batch: 64 sequences (-b 64 x 1 micro-batches); 64 validation rows" in run.stdout
     assert [m["step"] for m in run.metrics] == list(range(1, 16))
-    assert [m["epoch"] for m in run.metrics] == [0] * 11 + [1] * 4
+    assert [m["epoch"] for m in run.metrics] == [0] * 10 + [1] * 5
+
+
+def test_k_micro_batches_of_b_train_as_one_batch_of_k_times_b(reference, common_args, launch_once):
+    """-b 2 --grad-accum-steps 4: four backwards, their gradients added up, one optimizer step; the same numbers
+    as the reference's one batch of 8 at every step, its validation losses included (fp32: to rounding)."""
+    accumulated = launch_once("01", [*common_args, *EXACT, "-b", 2, "--grad-accum-steps", 4])
+    assert "global batch: 8 sequences (-b 2 x 4 micro-batches); 8 validation rows" in accumulated.stdout
+    # (a validation loss at each checkpoint, every 2 steps, and at the end)
+    assert [m["step"] for m in reference.metrics if "val_loss" in m] == [2, 4, 6, 8]
+    assert_same_training(accumulated, reference, 8)
+
+
+def prompted_dataset(path):
+    """A .jsonl of prompt/text pairs whose prompts (never labels) have very different lengths: packed rows then
+    hold very different numbers of label tokens."""
+    words = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "sings", "fast", "slow", "here"]
+    lines = []
+    for index in range(600):
+        prompt = " ".join(words[(index + i) % 12] for i in range(1 + 4 * (index % 3)))
+        text = " ".join(words[(index * 7 + i) % 12] for i in range(3 + index % 5)) + "."
+        lines.append(json.dumps({"prompt": prompt + " ->", "text": text}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_with_masked_prompts_the_loss_is_the_mean_over_label_tokens_not_over_micro_batches(
+    common_args, launch_once, tmp_path_factory
+):
+    """With a prompt column, prompt tokens get label -100: micro-batches hold different numbers of label tokens
+    (counted here from what the loss was computed on), so the mean of each micro-batch's mean over K would
+    weigh their tokens unequally. Summing token losses over the global batch's count keeps K=4 x -b 2 equal to
+    one batch of 8."""
+    data = prompted_dataset(tmp_path_factory.mktemp("prompted") / "prompted.jsonl")
+    args = [*common_args, "-d", data, "--max-steps", 4]
+    whole = launch_once("01", args)
+    accumulated = launch_once("01", [*args, "-b", 2, "--grad-accum-steps", 4], script=INJECT,
+                              env=inject_env("01", "label-counts"))
+    counts = json.loads(re.search(r"^rank 0: label_counts (.*)$", accumulated.stdout, re.MULTILINE)[1])
+    first_step = counts[:4]
+    assert len(set(first_step)) > 1 and max(first_step) < 2 * 32, first_step  # masked, and unequal
+    assert_same_training(accumulated, whole, 4)
+
+
+def test_validation_rows_are_never_trained_on(common_args, tmp_path):
+    # words in random order, so no two packed rows hold the same tokens (the shared corpus repeats phrases)
+    rng = random.Random(0)
+    words = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "sings", "fast", "slow", "here"]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "part-0.txt").write_text("".join(" ".join(rng.choices(words, k=12)) + ".\n" for _ in range(600)))
+    args = [*common_args, "-d", data, *EXACT, "--eval-freq", 2]
+    run = run_chapter("01", args, tmp_path, script=INJECT, env=inject_env("01", "rows"))
+    rows = json.loads(re.search(r"^rank 0: rows (.*)$", run.stdout, re.MULTILINE)[1])
+    held_out = int(re.search(r"; (\d+) validation rows", run.stdout)[1])
+    # 8 steps of 8 distinct rows; the same validation rows (whole global batches) read at each of 4 evaluations
+    assert len(rows["train"]) == len(set(rows["train"])) == 64
+    assert held_out % 8 == 0 and len(rows["eval"]) == 4 * held_out and len(set(rows["eval"])) == held_out
+    assert not set(rows["train"]) & set(rows["eval"])
+
+
+def test_a_relaunch_may_change_micro_batches_and_k_at_the_same_global_batch_but_not_the_global_batch(
+    reference, common_args, tmp_path
+):
+    args = [*common_args, *EXACT]
+    stopped = interrupted(tmp_path, args, "sigterm", after_step=3)
+    assert stopped.returncode == 1
+    resumed = run_chapter("01", [*args, "-b", 4, "--grad-accum-steps", 2], tmp_path, experiment="interrupted")
+    assert "at step 3" in resumed.stdout
+    assert_same_training(resumed, reference, 8)
+    with measured() as cost:
+        refused = run_chapter("01", [*args, "-b", 4, "--max-steps", 10], tmp_path, experiment="interrupted",
+                              expect_ok=False)
+    assert_fails_with_one_line(
+        refused, "(the global batch (ranks x -b x --grad-accum-steps): 8 in the checkpoint, 4 now); relaunch with "
+        "those", cost)

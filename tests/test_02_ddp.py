@@ -2,8 +2,9 @@
 world size), stops cleanly on SIGTERM, and fails fast and loudly when one rank fails.
 
 The reference is chapter 01 on the whole global batch of 64 sequences; DDP runs on N ranks use -b 64/N.
-The tiny dataset packs into 718 rows of 33 tokens, so one epoch is 11 steps of 64 and two epochs (22 steps)
-cross an epoch boundary, where the data order is reshuffled.
+The tiny dataset packs into 718 rows of 33 tokens; 64 (one global batch, the least) are held out for the
+validation loss, so one epoch is 10 steps of 64 and two epochs (20 steps) cross an epoch boundary, where the
+data order is reshuffled.
 """
 import contextlib
 import hashlib
@@ -25,8 +26,8 @@ import launching
 from launching import without_timing
 
 GLOBAL_BATCH = 64
-STEPS = 22  # two epochs of 11 steps
-STOP_AFTER = 9  # the interrupted run stops here; its resume crosses the epoch boundary after step 11
+STEPS = 20  # two epochs of 10 steps
+STOP_AFTER = 9  # the interrupted run stops here; its resume crosses the epoch boundary after step 10
 
 
 def two_epochs(batch_size):
@@ -52,6 +53,20 @@ def test_ddp_matches_single_process_on_the_global_batch(launch_once, common_args
     assert single_process.losses[-1] < single_process.losses[0] - 0.5
     # (fp32: N ranks sum gradients in another order than one process does, so numbers agree to rounding)
     assert_same_training(ddp, single_process, STEPS)
+
+
+def test_k_micro_batches_per_rank_train_as_one_batch_and_ddp_all_reduces_once_a_step(launch_once, common_args,
+                                                                                      single_process):
+    """2 ranks x -b 8 x 4 micro-batches: chapter 01's global batch of 64 at every step, and DDP's gradient
+    all-reduce runs once a step (no_sync on the first 3 micro-batches), counted through a comm hook."""
+    accumulated = launch_once("02", [*common_args, *two_epochs(8), "--grad-accum-steps", 4], nproc=2,
+                              script=INJECT, env=inject_env("02", "ddp-all-reduces"))
+    assert_same_training(accumulated, single_process, STEPS)
+    for rank in (0, 1):
+        by_step = json.loads(re.search(rf"^rank {rank}: ddp_all_reduces (.*)$", accumulated.stdout, re.M)[1])
+        # the tiny model's gradients fit DDP's first bucket: one all-reduce, where 4 micro-batches without
+        # no_sync would make 4
+        assert by_step == {str(step): 1 for step in range(1, STEPS + 1)}, by_step
 
 
 @pytest.fixture
@@ -112,7 +127,7 @@ def finish(process, timeout=120):
     return process.returncode, stdout, stderr
 
 
-# A long run: 4 sequences a step, 179 steps, time enough to act in the middle.
+# A long run: 4 sequences a step, 177 steps (8 of the 718 rows held out), time enough to act in the middle.
 LONG = ["-b", 2]
 
 
@@ -128,13 +143,13 @@ def test_sigterm_to_the_whole_job_stops_every_rank_at_one_step_and_a_relaunch_fi
     stop_steps = re.findall(r"stopped by a signal after step (\d+);", worker_stderr(stderr))
     assert len(stop_steps) == 2 and len(set(stop_steps)) == 1, stderr[-3000:]
     stop_step = int(stop_steps[0])
-    assert 3 <= stop_step < 179
+    assert 3 <= stop_step < 177
     exp_dir = tmp_path / "outputs" / "test"
     assert os.listdir(exp_dir / "checkpoints") == [f"step-{stop_step:08d}"]
 
     relaunched = run_chapter("02", args, tmp_path, nproc=2)
     assert relaunched.stdout.count(f"at step {stop_step}") == 2
-    assert [m["step"] for m in relaunched.metrics] == list(range(1, 180))
+    assert [m["step"] for m in relaunched.metrics] == list(range(1, 178))
 
 
 def test_ctrl_c_stops_with_a_checkpoint_and_one_line_per_rank(common_args, tmp_path):
@@ -222,7 +237,7 @@ def test_ranks_agree_on_a_stop_at_log_steps_without_a_collective_every_step(comm
 def test_resumed_metrics_equal_the_uninterrupted_ones_line_for_line(common_args, launch_once, tmp_path):
     """A checkpoint at step 3 falls inside a logging window (steps 1-4): the resumed run's step-4 line must
     average the same four losses as the uninterrupted run's."""
-    args = [*common_args, "-b", 8, "--max-steps", 8, "--log-freq", 4, "--ckpt-freq", 3]
+    args = [*common_args, "-b", 8, "--max-steps", 8, "--log-freq", 4, "--ckpt-freq", 3, "--eval-freq", 1000]
     uninterrupted = launch_once("02", args, nproc=2)
     crashed = run_chapter("02", args, tmp_path, nproc=2, expect_ok=False, script=INJECT,
                           env=inject_env("02", "raise", rank=1, after_step=5))

@@ -70,6 +70,12 @@ def test_cpu_offload_and_hsdp_match_single_process(launch, single_process, nproc
     assert_same_training(launch("04", nproc, flags), single_process)
 
 
+def test_k_micro_batches_each_reduce_scattered_train_as_one_batch(launch, single_process):
+    """2 ranks x -b 1 x 4 micro-batches: chapter 01's global batch of 8. FSDP reduce-scatters every
+    micro-batch's gradients (the shards add them up), as the README measures against waiting for the last."""
+    assert_same_training(launch("04", 2, ["-b", 1, "--grad-accum-steps", 4]), single_process)
+
+
 @pytest.mark.parametrize("nproc,flags,shards", [(2, [], 2), (4, [], 4), (4, HSDP_2X2, 2)],
                          ids=["fsdp-2-ranks", "fsdp-4-ranks", "hsdp-2x2"])
 def test_each_rank_holds_its_share_of_weights_gradients_and_optimizer_state(launch, tiny_model, nproc, flags, shards):

@@ -57,6 +57,16 @@ def test_pipeline_matches_single_process(launch, model, schedule, nproc):
     assert_same_training(ours, single_process, STEPS)
 
 
+def test_k_accumulation_steps_multiply_the_micro_batches_of_the_schedule(launch, launch_once, common_args, models):
+    """-b 4 x 2: one schedule call of 2 x 4 micro-batches of 1 row (1F1B, 2 stages) trains chapter 01's batch
+    of 8."""
+    args = [*common_args, "-m", models["llama"], "--max-steps", STEPS, "-b", 4, "--grad-accum-steps", 2,
+            "--schedule", "1f1b"]
+    ours = launch_once("08", args, nproc=2)
+    assert "global batch: 8 sequences (-b 4 x 2), 8 micro-batches in the schedule" in ours.stdout
+    assert_same_training(ours, launch("llama"), STEPS)
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
 def test_a_tied_embedding_and_head_stay_one_matrix_on_two_stages(launch, schedule):
     ours = launch("qwen3-tied", schedule, 2)

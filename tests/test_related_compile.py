@@ -15,7 +15,7 @@ def test_ddp_with_compile_trains_to_the_eager_losses(launch_once, common_args):
 
     assert eager.losses[-1] < eager.losses[0] - 0.5
     # inductor fuses elementwise operations and so rounds differently from eager: equal to rounding
-    assert_same_training(compiled, eager, 22)
+    assert_same_training(compiled, eager, 20)
     # compiled after the wrap, the graph went through DDPOptimizer, which cuts it at DDP's buckets (this
     # model's 0.4 MB fit in DDP's first bucket, so it makes one; the README shows two for the default model)
     assert re.search(r"DDPOptimizer used bucket cap \d+ and created \d+ buckets", compiled.stderr), (

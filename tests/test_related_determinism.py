@@ -5,7 +5,8 @@ batch agree only to rounding.
 The runs use a tiny Llama with attention dropout 0.1 and fresh weights from --seed: every step draws random
 dropout masks, so bitwise-equal losses need the same initial weights, the same data order and the same random
 stream, also across a resume (the RNG state saved in each checkpoint). 14 steps of 64 rows cross the epoch
-boundary after step 11, where the data order is redrawn from (seed, epoch 1).
+boundary after step 10 (64 of the 718 rows are held out for validation), where the data order is redrawn from
+(seed, epoch 1).
 """
 import shutil
 
@@ -83,11 +84,11 @@ def test_another_seed_gives_other_weights_and_losses(first_run, launch_once, dro
 
 
 def test_one_rank_and_two_ranks_at_the_same_global_batch_agree_to_rounding_not_bitwise(launch_once, common_args):
-    """Chapter 01 at -b 64 and chapter 02 on 2 ranks at -b 32, no dropout, 22 steps (tests/test_02_ddp.py's
+    """Chapter 01 at -b 64 and chapter 02 on 2 ranks at -b 32, no dropout, 20 steps (tests/test_02_ddp.py's
     launches): the same samples, but 2 ranks sum the gradient in another order (two halves, then the
     all-reduce), so the numbers differ in the last bits and stay that close."""
     one = launch_once("01", [*common_args, "-b", 64, "--num-epochs", 2])
     two = launch_once("02", [*common_args, "-b", 32, "--num-epochs", 2], nproc=2)
 
-    assert_same_training(two, one, 22)
+    assert_same_training(two, one, 20)
     assert max_weight_diff(one.exp_dir / "hf", two.exp_dir / "hf") > 0, "expected rounding from the other order"

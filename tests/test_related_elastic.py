@@ -7,14 +7,15 @@ restart under Slurm on two nodes (job.sbatch). Here: the one-machine command `to
 Events come from tests/inject.py, which runs the chapter's script unchanged (its faults fire in the first
 start of the workers only).
 """
-import json
 import re
 import time
 
 import pytest
 
 import launching
-from conftest import INJECT, inject_env, max_weight_diff, start_chapter, wait_or_fail
+from conftest import (
+    INJECT, Run, assert_same_training, inject_env, max_weight_diff, start_chapter, wait_or_fail,
+)
 from launching import read_metrics
 
 # NOTE: torchrun (torch >= 2.5) keeps its rendezvous store across a restart, with the crashed workers' keys
@@ -26,8 +27,8 @@ FRESH_STORE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 def start_torchrun(agent, args, tmp_path, env, experiment):
     """torchrun <agent flags> tests/inject.py <chapter 02's flags>, on one or (nproc 1 each) several agents."""
     nproc = 2 if "--standalone" in agent else 1
-    process, _ = start_chapter("02", args, tmp_path, nproc=nproc, env={**FRESH_STORE, **env}, experiment=experiment,
-                               script=INJECT, agent=agent)
+    process, _ = start_chapter("02", args, tmp_path, nproc=nproc, env={**FRESH_STORE, **env},
+                               experiment=experiment, script=INJECT, agent=agent)
     return process
 
 
@@ -37,7 +38,7 @@ def metrics(exp_dir):
 
 @pytest.fixture
 def reference(launch_once, common_args):
-    """Chapter 02 on 2 ranks, uninterrupted (tests/test_02_ddp.py's run: 22 steps over two epochs, -b 32)."""
+    """Chapter 02 on 2 ranks, uninterrupted (tests/test_02_ddp.py's run: 20 steps over two epochs, -b 32)."""
     return launch_once("02", [*common_args, "-b", 32, "--num-epochs", 2], nproc=2)
 
 
@@ -58,7 +59,7 @@ def test_a_killed_worker_is_restarted_and_the_job_ends_as_the_uninterrupted_run(
     exp_dir = tmp_path / "outputs" / "killed"
     # metrics.jsonl was cut back to step 4 on resume, so it reads as one clean run: the same world size doing
     # the same operations in the same order gives the uninterrupted run's losses to the bit, and its weights
-    assert [m["step"] for m in metrics(exp_dir)] == list(range(1, 23))
+    assert [m["step"] for m in metrics(exp_dir)] == list(range(1, 21))
     assert [m["loss"] for m in metrics(exp_dir)] == reference.losses
     assert max_weight_diff(exp_dir / "hf", reference.exp_dir / "hf") == 0
 
@@ -66,17 +67,20 @@ def test_a_killed_worker_is_restarted_and_the_job_ends_as_the_uninterrupted_run(
 SCALE_STEPS = 60
 
 
-def test_a_node_that_joins_restarts_every_worker_from_a_checkpoint_at_twice_the_global_batch(common_args,
-                                                                                             tmp_path):
+def test_a_node_that_joins_restarts_every_worker_from_a_checkpoint_and_trains_the_same_global_batch(
+    common_args, launch_once, tmp_path
+):
     """Two torchrun agents with --nnodes=1:2 (two "nodes" on this machine, one process each). The first trains
     alone; when the second arrives, the first's agent sends its worker SIGTERM, chapter 02 checkpoints at that
-    step and exits, and both agents start one worker each, which resume at world size 2. -b stays 4 per rank,
-    so the global batch goes from 4 to 8. --max-restarts=0: a membership change is not a failure."""
+    step and exits, and both agents start one worker each, which resume at world size 2. --global-batch-size 8
+    at -b 4 makes 2 micro-batches a step alone, 1 on each of two ranks: the global batch, and so the training,
+    do not change (a relaunch that changed it would stop with one line). --max-restarts=0: a membership change
+    is not a failure."""
     launch = ["--nnodes=1:2", "--max-restarts=0", "--rdzv-backend=c10d",
               f"--rdzv-endpoint=localhost:{launching.free_port()}", "--rdzv-id=scale-up",
               # NOTE: the first agent waits this long for more nodes once it has its minimum (default 30 s)
               "--rdzv-conf=last_call_timeout=1"]
-    args = [*common_args, "-b", 4, "--max-steps", SCALE_STEPS]
+    args = [*common_args, "-b", 4, "--global-batch-size", 8, "--max-steps", SCALE_STEPS]
     env = inject_env("02", "slow-alone", after_step=2)
     exp_dir = tmp_path / "outputs" / "scale-up"
     first = start_torchrun(launch, args, tmp_path, env, "scale-up")
@@ -89,15 +93,15 @@ def test_a_node_that_joins_restarts_every_worker_from_a_checkpoint_at_twice_the_
     assert [r[0] for r in results] == [0, 0], "\n".join(r[2][-3000:] for r in results)
     stdout = "".join(r[1] for r in results)
     stderr = "".join(r[2] for r in results)
+    assert "global batch: 8 sequences (1 ranks x -b 4 x 2 micro-batches)" in stdout
+    assert "global batch: 8 sequences (2 ranks x -b 4 x 1 micro-batches)" in stdout
     stopped_at = int(re.search(r"stopped by a signal after step (\d+);", stderr)[1])
     assert 1 <= stopped_at < SCALE_STEPS
     # rank 1 exists only in the world of 2: both ranks resumed from the checkpoint the stop wrote
     resumed = re.findall(rf"rank (\d): resumed from \S+step-{stopped_at:08d} at step {stopped_at}\b", stdout)
     assert sorted(resumed) == ["0", "1"], stdout
-    assert [m["step"] for m in metrics(exp_dir)] == list(range(1, SCALE_STEPS + 1))
-    # The data position counts the samples trained on: 4 a step alone, 8 a step after the join (in one epoch).
-    final = json.loads((exp_dir / "checkpoints" / f"step-{SCALE_STEPS:08d}" / "state.json").read_text())
-    assert final["epoch"] == 0
-    assert final["samples_in_epoch"] == 4 * stopped_at + 8 * (SCALE_STEPS - stopped_at)
-    print(f"one node for {stopped_at} steps, two nodes for {SCALE_STEPS - stopped_at}: "
-          f"{final['samples_in_epoch']} samples instead of {4 * SCALE_STEPS}")
+    # One process at -b 8 trains the same global batches: the same numbers, to rounding.
+    one_process = launch_once("01", [*common_args, "-b", 8, "--max-steps", SCALE_STEPS])
+    joined = Run(0, stdout, stderr, exp_dir)
+    assert_same_training(joined, one_process, SCALE_STEPS)
+    print(f"one node for {stopped_at} steps, two nodes for {SCALE_STEPS - stopped_at}, one global batch of 8")

@@ -45,7 +45,8 @@ def main():
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(), dtype=torch.float32)
+    device = torch.device("cpu")
+    model = transformers.AutoModelForCausalLM.from_config(tiny_llama_config(args.hidden_size), dtype=torch.float32)
     input_ids, labels = padded_global_batch(args, world_size)
 
     reference = copy.deepcopy(model)
@@ -69,8 +70,12 @@ def main():
             if normalisation == "global tokens":
                 wrapped[wrapper, sync] = candidate
     seconds = seconds_per_step(wrapped, micro_batches, args.max_steps)
+    costs = {config: step_costs(model, micro_batches, *config, device) for config, model in wrapped.items()}
     for run in runs:
-        run["seconds_per_step"] = seconds.get((run["wrapper"], run["sync"], run["normalisation"]))
+        config = (run["wrapper"], run["sync"])
+        run["seconds_per_step"] = seconds.get((*config, run["normalisation"]))
+        if run["normalisation"] == "global tokens":
+            run["gradient_collectives_per_step"], run["step_peak_mb"] = costs[config]
     if rank == 0:
         report(args, world_size, [int((l != -100).sum()) for l in labels.split(args.batch_size)], runs)
         # What a check of this script needs to compute the one-batch gradient on its own.
@@ -90,14 +95,17 @@ def get_parser():
     parser.add_argument("--max-steps", type=int, default=20, help="optimizer steps timed per configuration")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--save-dir", default="outputs", help="where check_accumulation.json is written")
+    parser.add_argument("--hidden-size", type=int, default=128,
+                        help="the tiny Llama's width (512 makes the gradients' memory stand out of the noise)")
     return parser
 
 
-def tiny_llama_config():
-    # The chapter scripts' tiny Llama; no dropout, so the gradients compare exactly.
+def tiny_llama_config(hidden_size=128):
+    # The chapter scripts' tiny Llama (at its default width); no dropout, so the gradients compare exactly.
     return transformers.LlamaConfig(
-        vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=None, eos_token_id=1, pad_token_id=0,
+        vocab_size=272, hidden_size=hidden_size, intermediate_size=3 * hidden_size, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024, bos_token_id=None,
+        eos_token_id=1, pad_token_id=0,
     )
 
 
@@ -171,17 +179,50 @@ def seconds_per_step(wrapped, micro_batches, steps):
     return {(*config, "global tokens"): seconds / max(1, steps) for config, seconds in total.items()}
 
 
+def step_costs(model, micro_batches, wrapper, sync, device):
+    """One step's gradient collectives (DDP's all-reduces or FSDP's reduce-scatters, counted in a profile) and
+    its peak memory above what the process held before it: CUDA's allocator, or on a CPU the resident set
+    (Linux's VmHWM, reset first; run with MALLOC_MMAP_THRESHOLD_=65536 so freed buffers leave it at once)."""
+    model.zero_grad(set_to_none=True)
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = resident_bytes("VmRSS")
+    accumulate(model, micro_batches, wrapper, sync, "global tokens")
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else resident_bytes("VmHWM")
+    peak -= before
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        accumulate(model, micro_batches, wrapper, sync, "global tokens")
+    collectives = sum(1 for event in profile.events()
+                      if event.name in ("c10d::allreduce_", "c10d::_reduce_scatter_base_", "c10d::reduce_scatter_"))
+    model.zero_grad(set_to_none=True)
+    return collectives, peak / 2**20
+
+
+def resident_bytes(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
 def report(args, world_size, tokens_per_micro_batch, runs):
     print(f"{world_size} ranks x {args.grad_accum_steps} micro-batches x {args.batch_size} padded sequences; "
           f"label tokens per micro-batch: {tokens_per_micro_batch}")
     print(f"{'wrapper':8} {'gradient sync':18} {'loss divided by':16} {'max |g - g_one_batch|':>22} "
-          f"{'s/step':>8} {'tokens/s':>9}")
+          f"{'s/step':>8} {'tokens/s':>9} {'collectives':>11} {'step peak MB':>12}")
     for run in runs:
         seconds = run["seconds_per_step"]
         timing = f"{seconds:8.3f} {sum(tokens_per_micro_batch) / seconds:9.0f}" if seconds else ""
+        costs = (f" {run['gradient_collectives_per_step']:11d} {run['step_peak_mb']:12.1f}"
+                 if "step_peak_mb" in run else "")
         print(f"{run['wrapper']:8} {run['sync']:18} {run['normalisation']:16} "
-              f"{run['max_relative_grad_difference']:22.1e} {timing}")
-    print("(gradient differences relative to the largest gradient; tokens/s counts label tokens, all ranks)")
+              f"{run['max_relative_grad_difference']:22.1e} {timing}{costs}")
+    print("(gradient differences relative to the largest gradient; tokens/s counts label tokens, all ranks;")
+    print(" collectives: a step's gradient all-reduces or reduce-scatters on this rank; step peak: rank 0's)")
     os.makedirs(args.save_dir, exist_ok=True)
     results = {**vars(args), "world_size": world_size, "tokens_per_micro_batch": tokens_per_micro_batch,
                "runs": runs}

@@ -403,21 +403,48 @@ def test_with_masked_prompts_the_loss_is_the_mean_over_label_tokens_not_over_mic
     assert_same_training(accumulated, whole, 4)
 
 
-def test_validation_rows_are_never_trained_on(common_args, tmp_path):
-    # words in random order, so no two packed rows hold the same tokens (the shared corpus repeats phrases)
-    rng = random.Random(0)
+def write_random_words(path, documents, seed):
+    """Documents of words in random order, so no two packed rows hold the same tokens (the shared corpus
+    repeats its phrases)."""
+    rng = random.Random(seed)
     words = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "sings", "fast", "slow", "here"]
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "part-0.txt").write_text("".join(" ".join(rng.choices(words, k=12)) + ".\n" for _ in range(600)))
-    args = [*common_args, "-d", data, *EXACT, "--eval-freq", 2]
-    run = run_chapter("01", args, tmp_path, script=INJECT, env=inject_env("01", "rows"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(" ".join(rng.choices(words, k=12)) + ".\n" for _ in range(documents)))
+    return path
+
+
+def rows_read(run):
+    """The rows the model read in training and in evaluation, and the number of validation rows it printed."""
     rows = json.loads(re.search(r"^rank 0: rows (.*)$", run.stdout, re.MULTILINE)[1])
-    held_out = int(re.search(r"; (\d+) validation rows", run.stdout)[1])
+    held_out = re.search(r"; (\d+|no) validation rows", run.stdout)[1]
+    return rows, 0 if held_out == "no" else int(held_out)
+
+
+def test_validation_rows_are_never_trained_on(common_args, tmp_path):
+    data = write_random_words(tmp_path / "data" / "part-0.txt", 600, seed=0).parent
+    args = [*common_args, "-d", data, *EXACT, "--eval-freq", 2]
+    rows, held_out = rows_read(run_chapter("01", args, tmp_path, script=INJECT, env=inject_env("01", "rows")))
     # 8 steps of 8 distinct rows; the same validation rows (whole global batches) read at each of 4 evaluations
     assert len(rows["train"]) == len(set(rows["train"])) == 64
     assert held_out % 8 == 0 and len(rows["eval"]) == 4 * held_out and len(set(rows["eval"])) == held_out
     assert not set(rows["train"]) & set(rows["eval"])
+
+
+def test_a_datasets_validation_split_is_the_validation_rows(common_args, tmp_path):
+    data = tmp_path / "data"
+    write_random_words(data / "train.txt", 600, seed=0)
+    write_random_words(data / "validation.txt", 200, seed=1)
+    rows, validation_rows = rows_read(run_chapter("01", [*common_args, "-d", data, *EXACT], tmp_path,
+                                                  script=INJECT, env=inject_env("01", "rows")))
+    # the oracle: the validation file alone, one epoch at -b 1 trains on each of its packed rows once
+    alone, none_held_out = rows_read(run_chapter(
+        "01", [*common_args, "-d", data / "validation.txt", "-b", 1, "--val-fraction", 0, "--num-epochs", 1],
+        tmp_path, experiment="alone", script=INJECT, env=inject_env("01", "rows")))
+    assert none_held_out == 0 and len(alone["train"]) == len(set(alone["train"]))
+    # all of the split's rows but those that do not fill a global batch of 8, and none held out of train.txt
+    assert validation_rows == len(alone["train"]) // 8 * 8 > 8
+    assert set(rows["eval"]) <= set(alone["train"]) and len(set(rows["eval"])) == validation_rows
+    assert not set(rows["train"]) & set(alone["train"])
 
 
 def test_a_relaunch_may_change_micro_batches_and_k_at_the_same_global_batch_but_not_the_global_batch(

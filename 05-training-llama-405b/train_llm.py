@@ -379,8 +379,9 @@ def load_pretrained_weights(model, model_name):
         if os.path.isdir(model_name) else []
     if not files:
         sys.exit(
-            f"error: --from-pretrained reads safetensors files from a local folder, and {model_name!r} is not one "
-            "that holds them; fetch the model first with download_model.py (every rank then reads the same files)"
+            f"error: --from-pretrained reads safetensors files from a local folder, and {model_name!r} is not "
+            "one that holds them; download the model first with download_model.py (every rank then reads the "
+            "same files)"
         )
     # Each file starts with a header naming its tensors, their shapes and offsets: reading it reads no weights.
     file_of, shape_of = {}, {}

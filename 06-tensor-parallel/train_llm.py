@@ -422,6 +422,9 @@ def export_hf(hf_dir, model, tokenizer):
 
 
 @torch.no_grad()
+# NOTE: torch 2.13 fails to run a compiled tensor-parallel block under no_grad (the inference graph loses
+# a DTensor's wrapper): the validation batches run the blocks eagerly, as without --compile.
+@torch.compiler.set_stance("force_eager")
 def evaluate(model, val_data, args, device, autocast):
     """The mean loss over every label token of the validation rows, in eval mode (no dropout). Every rank
     computes every row, as in training: loss_parallel's loss is the same on each."""

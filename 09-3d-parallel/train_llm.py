@@ -673,6 +673,9 @@ def export_hf(hf_dir, stages, config, tokenizer, mesh):
 
 
 @torch.no_grad()
+# NOTE: torch 2.13 fails to run a compiled tensor-parallel block under no_grad (the inference graph loses
+# a DTensor's wrapper): the validation batches run the blocks eagerly, as without --compile.
+@torch.compiler.set_stance("force_eager")
 def evaluate(schedule, stages, loss_divisor, val_data, args, device, mesh, has_first_stage, has_last_stage):
     """The mean loss over every label token of the validation rows, through the schedule's forward-only path,
     in eval mode (no dropout): each dp group computes its slice of the rows. The last stage's dp x tp ranks

@@ -32,3 +32,46 @@ def test_a_readme_that_shows_hunks_gives_the_command_for_the_whole_diff(readme):
         assert re.search(rf"diff (\.\./)?{re.escape(old)} (\.\./)?{re.escape(new)}", text), (
             f"{readme.relative_to(ROOT)} shows hunks of {new} but not the command for the whole diff"
         )
+
+
+# A python block a README takes from a file says so: <!-- quote path/to/file.py --> on the line before it.
+PYTHON_BLOCK = re.compile(r"(?:<!-- quote (\S+) -->\n)?```python\n(.*?)```\n", re.DOTALL)
+SOURCES = sorted(path for path in ROOT.rglob("*.py") if not {"tests", ".git"} & set(path.relative_to(ROOT).parts))
+PYTHON_BLOCKS = [(readme, quoted, block) for readme in READMES for quoted, block in PYTHON_BLOCK.findall(
+    readme.read_text())]
+
+
+def is_excerpt(block, text):
+    """Whether the block's lines are consecutive lines of text, all indented alike (a quote may be dedented)."""
+    lines, file_lines = block.splitlines(), text.splitlines()
+    for start, line in enumerate(file_lines):
+        indent = line[: len(line) - len(lines[0])]
+        if line.endswith(lines[0]) and not indent.strip():
+            run = file_lines[start : start + len(lines)]
+            if len(run) == len(lines) and all(
+                    (theirs.strip() == "") if not ours else theirs == indent + ours for ours, theirs in zip(lines, run)):
+                return True
+    return False
+
+
+def share_of_lines_found_in_sources(block):
+    """The share of the block's longer lines (12 characters or more: not `try:`) that some script or tool has."""
+    known = {line.strip() for path in SOURCES for line in path.read_text().splitlines()}
+    lines = [line.strip() for line in block.splitlines() if len(line.strip()) >= 12]
+    return sum(line in known for line in lines) / max(1, len(lines))
+
+
+@pytest.mark.parametrize("readme,quoted,block", PYTHON_BLOCKS,
+                         ids=[f"{r.parent.name}:{b.splitlines()[0][:30]}" for r, _, b in PYTHON_BLOCKS])
+def test_python_a_readme_quotes_is_the_current_text_of_the_file(readme, quoted, block):
+    where = readme.relative_to(ROOT)
+    if quoted:
+        assert (ROOT / quoted).is_file(), f"{where} quotes {quoted}, which does not exist"
+        assert is_excerpt(block, (ROOT / quoted).read_text()), (
+            f"{where} quotes lines that {quoted} does not have (any more): copy them from the file again"
+        )
+    else:
+        # A sketch of code that is in no file is fine; a copy of a script's lines must be marked, to be checked.
+        assert share_of_lines_found_in_sources(block) < 0.5, (
+            f"{where} shows lines of a script without saying which: put <!-- quote path/to/file.py --> above it"
+        )

@@ -22,8 +22,11 @@ import resource
 import shutil
 import signal
 import sys
+import threading
 import time
 import traceback
+import urllib.error
+import urllib.request
 import zlib
 from contextlib import contextmanager, nullcontext
 
@@ -64,7 +67,6 @@ def main():
     # Weights and optimizer state stay fp32 (the "master" copy); only the forward/backward math runs in --dtype.
     # Pure bf16 weights lose small updates: at lr 3e-5 most bf16 weights would never change.
     compute_dtype = getattr(torch, args.dtype or default_compute_dtype(device))
-    exp_dir = make_experiment_dir(args.save_dir, args.experiment_name)
     torch.manual_seed(args.seed)
 
     config, tokenizer = load_config_and_tokenizer(args)
@@ -133,6 +135,7 @@ def main():
                    "--warmup-steps": args.warmup_steps, "--val-fraction": args.val_fraction,
                    "the global batch (ranks x -b x --grad-accum-steps)": global_batch_size}
     state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0], "fixed_flags": fixed_flags}
+    exp_dir = make_experiment_dir(args.save_dir, args.experiment_name)
     checkpoint_dir = usable_checkpoint(exp_dir)
     if checkpoint_dir is not None:
         state = load_checkpoint(checkpoint_dir, stages, optimizer, lr_schedule, param_shapes, fixed_flags)
@@ -506,12 +509,12 @@ def evaluate(schedule, stages, loss_divisor, val_data, args, device, autocast, h
 
 
 def get_parser():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-m", "--model-name", type=hub_id_or_path, default=None,
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-m", "--model-name", type=hub_model_or_path, default=None,
                         help="Hugging Face model id or local folder (default: a tiny Llama built offline)")
     parser.add_argument("--from-pretrained", action="store_true",
                         help="load the weights of -m (default: fresh weights from -m's config)")
-    parser.add_argument("-d", "--dataset-name", type=hub_id_or_path, default=None,
+    parser.add_argument("-d", "--dataset-name", type=hub_dataset_or_path, default=None,
                         help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
                              "with a 'text' column (default: an offline synthetic corpus)")
     parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
@@ -770,6 +773,14 @@ def log_metrics(path, metrics, progress):
 # --- Arguments and inputs: what argparse and the libraries would report late, or in a traceback ---
 
 
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, with a mistake as one line (no usage block): under torchrun each rank prints it once, and
+    report_exit puts it in torchrun's failure summary, where argparse's exit 2 leaves nothing."""
+
+    def error(self, message):
+        sys.exit(f"error: {message} (--help lists the flags)")
+
+
 def check_args(args):
     """What argparse cannot check alone: how the script was launched, flags that need each other, the torch
     version."""
@@ -778,6 +789,19 @@ def check_args(args):
     warn_if_torch_is_older_than_tested()
     if args.from_pretrained and args.model_name is None:
         sys.exit("error: --from-pretrained needs -m/--model-name (the default tiny model has no weights)")
+    check_save_dir(args.save_dir)
+
+
+def check_save_dir(save_dir):
+    """--save-dir must be a folder we can write into, or can create: checked without creating anything, so that
+    a run that fails its checks leaves nothing behind (make_experiment_dir creates the folder after them)."""
+    existing = os.path.abspath(save_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    reason = (errno.ENOTDIR if not os.path.isdir(existing)
+              else errno.EACCES if not os.access(existing, os.W_OK | os.X_OK) else None)
+    if reason is not None:
+        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({os.strerror(reason)}); pass a writable folder")
 
 
 def positive_int(text):
@@ -808,14 +832,75 @@ def positive_float(text):
     return value
 
 
-def hub_id_or_path(name):
-    """A name that can only be a local path (it starts with / . or ~, names a data file, or has more folders
-    than a Hub id's owner/name) must exist: a mistyped path must not go to the Hub and fail there after retries."""
-    extension = os.path.splitext(name)[1]
-    local = name.startswith(("/", ".", "~")) or extension in DATA_FILE_BUILDERS or name.count("/") > 1
-    if local and not os.path.exists(os.path.expanduser(name)):
+def hub_model_or_path(name):
+    return hub_id_or_path(name, "model")
+
+
+def hub_dataset_or_path(name):
+    return hub_id_or_path(name, "dataset")
+
+
+def hub_id_or_path(name, kind):
+    """A local path, or the id of a Hub model or dataset that can be fetched: a mistyped path must fail here,
+    not on the Hub after a minute of retries. A name that can only be a path (it starts with / . or ~, names
+    a data file, or has more folders than a Hub id's owner/name) must exist; any other missing folder is
+    asked for on the Hub, unless it is in the Hugging Face cache or the libraries are offline (they then fail
+    at once themselves)."""
+    path = os.path.expanduser(name)
+    if os.path.exists(path):
+        return path
+    if name.startswith(("/", ".", "~")) or os.path.splitext(name)[1] in DATA_FILE_BUILDERS or name.count("/") > 1:
         raise argparse.ArgumentTypeError(f"no such file or folder: {name!r}")
-    return os.path.expanduser(name) if local else name
+    offline_flags = ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE" if kind == "model" else "HF_DATASETS_OFFLINE"]
+    offline = any(os.environ.get(flag, "").upper() in ("1", "ON", "YES", "TRUE") for flag in offline_flags)
+    if offline or in_hub_cache(name, kind):
+        return name
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    status = hub_status(f"{endpoint}/api/{kind}s/{name}")
+    if status is None:
+        raise argparse.ArgumentTypeError(
+            f"no local folder {name!r}, and the Hub ({endpoint}) does not answer to look for a {kind} of that "
+            "name; pass the path of a folder that exists, or connect to the Hub (HF_HUB_OFFLINE=1 uses the cache)"
+        )
+    if status == 404:
+        raise argparse.ArgumentTypeError(
+            f"no local folder {name!r}, and no {kind} {name!r} on the Hub; pass the path of a folder that exists "
+            f"or the id of a Hub {kind}"
+        )
+    return name  # 200, or 401/403 (private or gated): the libraries ask again, with the user's token
+
+
+def in_hub_cache(name, kind):
+    """Whether the Hugging Face cache holds the model or dataset (the hub's download cache, or for a dataset
+    also the datasets library's own)."""
+    cache_home = os.environ.get("XDG_CACHE_HOME", "~/.cache")
+    hf_home = os.environ.get("HF_HOME") or os.path.join(cache_home, "huggingface")
+    hub_cache = os.environ.get("HF_HUB_CACHE") or os.path.join(hf_home, "hub")
+    folders = [os.path.join(hub_cache, f"{kind}s--{name.replace('/', '--')}")]
+    if kind == "dataset":
+        datasets_cache = os.environ.get("HF_DATASETS_CACHE") or os.path.join(hf_home, "datasets")
+        folders.append(os.path.join(datasets_cache, name.replace("/", "___")))
+    return any(os.path.isdir(os.path.expanduser(folder)) for folder in folders)
+
+
+def hub_status(url, timeout=5):
+    """The HTTP status the Hub answers for url, or None if no answer comes within timeout seconds. A thread,
+    because urllib's timeout does not cover the name lookup, which can hang without a network."""
+    answer = []
+
+    def ask():
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response:
+                answer.append(response.status)
+        except urllib.error.HTTPError as error:
+            answer.append(error.code)
+        except (OSError, ValueError):  # no network, no such host, a malformed HF_ENDPOINT
+            pass
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return answer[0] if answer else None
 
 
 # The oldest and the newest torch release that CI trains every chapter on (.ci/run).
@@ -1225,7 +1310,20 @@ def report_exit(stop):
         extra_info = {"py_callstack": stop.code, "timestamp": str(int(time.time()))}
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
             json.dump({"message": {"message": stop.code, "extraInfo": extra_info}}, f)
+        wait_for_local_ranks_to_report(os.environ["TORCHELASTIC_ERROR_FILE"])
     return 1
+
+
+def wait_for_local_ranks_to_report(error_file, timeout=3):
+    """torchrun stops every rank (SIGTERM) as soon as one exits: a rank about to fail with the same line would
+    die before printing it, and show as "Signal 15" in the summary. So wait, at most timeout seconds, until
+    each rank of this node has written its error file (attempt_N/<local rank>/error.json)."""
+    attempt_dir, name = os.path.dirname(os.path.dirname(error_file)), os.path.basename(error_file)
+    error_files = [os.path.join(attempt_dir, str(rank), name)
+                   for rank in range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(map(os.path.exists, error_files)):
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -215,6 +215,8 @@ def test_bad_input_fails_fast_with_one_line(case, common_args, tmp_path):
         run = run_chapter("01", [*common_args, *flags], tmp_path, expect_ok=False, timeout=180,
                           env=online if case.startswith("mistyped") else None)
     assert_fails_with_one_line(run, message, cost)
+    # the checks come before anything is written: no outputs/<name>/ of a run that never started
+    assert not run.exp_dir.exists()
 
 
 # name: (flags that differ from the reference run's, or a function of tmp_path giving them; the line expected)
@@ -266,8 +268,8 @@ def assert_fails_with_one_line(run, message, cost):
     assert run.returncode != 0
     assert "Traceback" not in run.stderr, run.stderr[-3000:]
     last_line = run.stderr.strip().splitlines()[-1]
-    # (argparse's own errors start with "train_llm.py: error:", after the usage lines.)
-    assert message in last_line and (last_line.startswith("error: ") or "train_llm.py: error: " in last_line), (
+    # argparse's mistakes too: one line, without its usage block
+    assert message in last_line and last_line.startswith("error: ") and "usage:" not in run.stderr, (
         run.stderr[-3000:]
     )
     # NOTE: each of these fails right after loading the config: ~4 s of CPU (imports, mostly). Wall time

@@ -6,24 +6,27 @@ The tiny dataset packs into 718 rows of 33 tokens; 64 (one global batch, the lea
 validation loss, so one epoch is 10 steps of 64 and two epochs (20 steps) cross an epoch boundary, where the
 data order is reshuffled.
 """
+import argparse
 import contextlib
 import hashlib
+import http.server
 import json
 import os
 import re
 import shutil
 import signal
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import (
-    INJECT, assert_same_training, inject_env, max_weight_diff, measured, run_chapter, start_chapter,
+    CHAPTERS, INJECT, assert_same_training, inject_env, max_weight_diff, measured, run_chapter, start_chapter,
     wandb_history, worker_stderr,
 )
 import launching
-from launching import without_timing
+from launching import load_script, without_timing
 
 GLOBAL_BATCH = 64
 STEPS = 20  # two epochs of 10 steps
@@ -310,3 +313,97 @@ def test_rank_0_alone_logs_every_metric_line_to_wandb(default_run_with_wandb):
     assert [{key: row[key] for key in line} for row, line in zip(logged, default_run_with_wandb.metrics)] == (
         default_run_with_wandb.metrics
     )
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    """A stand-in for the Hugging Face Hub on a local port (HF_ENDPOINT): it knows the model 'owner/real'
+    (404 for its files) and answers 404 for anything else, as the Hub does for a name it does not have."""
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/api/models/owner/real" else 404)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"id": "owner/real"}' if self.path == "/api/models/owner/real" else b"{}")
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+NO_HUB = "http://127.0.0.1:{closed_port}"  # connection refused at once
+SILENT_HUB = "http://192.0.2.1"  # TEST-NET-1, never routed: no answer at all (or "unreachable" at once)
+# A reader's first mistakes under torchrun, online as a reader is (HF_HUB_OFFLINE unset): flags, the Hub
+# (HF_ENDPOINT), the line each rank must print.
+FIRST_MISTAKES = {
+    "zero-batch": (["-b", 0], NO_HUB, "argument -b/--batch-size: 0 is not a positive integer"),
+    "mistyped-data-file": (["-d", "data/trian.txt"], NO_HUB,
+                           "argument -d/--dataset-name: no such file or folder: 'data/trian.txt'"),
+    "missing-model-folder": (["-m", "./my-llama"], NO_HUB,
+                             "argument -m/--model-name: no such file or folder: './my-llama'"),
+    # A name without ./ is a folder or a Hub id: with no network, both readings fail in one line.
+    "missing-model-no-network": (["-m", "my-llama"], SILENT_HUB,
+                                 f"argument -m/--model-name: no local folder 'my-llama', and the Hub "
+                                 f"({SILENT_HUB}) does not answer to look for a model of that name"),
+    "missing-data-folder-no-network": (["-d", "data/train"], NO_HUB,
+                                       "argument -d/--dataset-name: no local folder 'data/train', and the Hub "
+                                       "(http://127.0.0.1:{closed_port}) does not answer to look for a dataset"),
+    "missing-model-not-on-the-hub": (["-m", "my-llama"], "hub",
+                                     "argument -m/--model-name: no local folder 'my-llama', and no model "
+                                     "'my-llama' on the Hub"),
+}
+
+
+@pytest.mark.parametrize("case", FIRST_MISTAKES)
+def test_a_first_mistake_is_one_line_on_every_rank_and_in_torchruns_summary(case, hub, tmp_path):
+    flags, endpoint, message = FIRST_MISTAKES[case]
+    closed_port = launching.free_port()
+    endpoint = hub if endpoint == "hub" else endpoint.format(closed_port=closed_port)
+    online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
+              "HF_ENDPOINT": endpoint}
+    started = time.monotonic()
+    run = run_chapter("02", flags, tmp_path, nproc=2, expect_ok=False, timeout=60, env=online)
+    assert time.monotonic() - started < 15, f"took {time.monotonic() - started:.0f} s to fail"
+    assert run.returncode == 1
+    message = message.format(closed_port=closed_port)
+    lines = [line for line in run.worker_stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 2 and len(set(lines)) == 1 and message in lines[0], run.stderr[-3000:]
+    assert "usage:" not in run.stderr and 'train_llm.py", line' not in run.stderr, run.stderr[-3000:]
+    # torchrun's summary shows the line as the root cause (not "To enable traceback see", nor SIGTERM)
+    root_cause = run.stderr[run.stderr.index("Root Cause"):]
+    assert f"traceback : {lines[0]}" in root_cause, root_cause
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_hub_id_that_the_hub_has_goes_to_the_libraries(hub, tmp_path):
+    """The Hub check passes an id the Hub knows on, unchanged: the stand-in Hub has no files for it, so the
+    load then fails with the libraries' reason, after the checks (and still leaves nothing under --save-dir)."""
+    online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_ENDPOINT": hub}
+    run = run_chapter("02", ["-m", "owner/real"], tmp_path, nproc=2, expect_ok=False, timeout=120, env=online)
+    lines = [line for line in run.worker_stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 2 and lines[0].startswith("error: cannot load model 'owner/real'"), run.stderr[-3000:]
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_a_name_in_the_hugging_face_cache_is_not_asked_for(hub, tmp_path, monkeypatch):
+    """A model or dataset in the cache goes to the libraries unasked (they can use it with no network); the
+    same name, not cached, is asked for and refused by a Hub that does not have it."""
+    hub_id_or_path = load_script(CHAPTERS["02"] / "train_llm.py")["hub_id_or_path"]
+    for var in ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE",
+                "HF_DATASETS_CACHE"]:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.setenv("HF_ENDPOINT", hub)
+    for kind, cached in [("model", "hub/models--owner--cached"), ("dataset", "hub/datasets--owner--cached"),
+                         ("dataset", "datasets/owner___cached")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=f"no {kind} 'owner/cached' on the Hub"):
+            hub_id_or_path("owner/cached", kind)
+        (tmp_path / cached).mkdir(parents=True)
+        assert hub_id_or_path("owner/cached", kind) == "owner/cached"
+        shutil.rmtree(tmp_path / cached)

@@ -21,11 +21,8 @@ import resource
 import shutil
 import signal
 import sys
-import threading
 import time
 import traceback
-import urllib.error
-import urllib.request
 import warnings
 import zlib
 from contextlib import contextmanager
@@ -774,19 +771,23 @@ def check_args(args):
     warn_if_torch_is_older_than_tested()
     if args.from_pretrained and args.model_name is None:
         sys.exit("error: --from-pretrained needs -m/--model-name (the default tiny model has no weights)")
-    check_save_dir(args.save_dir)
+    check_save_dir(args.save_dir, args.experiment_name)
 
 
-def check_save_dir(save_dir):
-    """--save-dir must be a folder we can write into, or can create: checked without creating anything, so that
-    a run that fails its checks leaves nothing behind (make_experiment_dir creates the folder after them)."""
-    existing = os.path.abspath(save_dir)
+def check_save_dir(save_dir, experiment_name):
+    """The experiment's folder must be writable, or creatable: tried with a file that has no name (O_TMPFILE,
+    gone when closed) in the folder, or in the nearest folder above it that exists, so that a run that fails
+    its checks leaves nothing behind (make_experiment_dir creates the folder after them)."""
+    import tempfile
+
+    existing = os.path.abspath(os.path.join(save_dir, experiment_name))
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    reason = (errno.ENOTDIR if not os.path.isdir(existing)
-              else errno.EACCES if not os.access(existing, os.W_OK | os.X_OK) else None)
-    if reason is not None:
-        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({os.strerror(reason)}); pass a writable folder")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
 
 
 def positive_int(text):
@@ -831,56 +832,95 @@ def hub_id_or_path(name, kind):
     a data file, or has more folders than a Hub id's owner/name) must exist; any other missing folder is
     asked for on the Hub, unless it is in the Hugging Face cache or the libraries are offline (they then fail
     at once themselves)."""
+    import urllib.parse  # the band imports what only it uses where it uses it
+
     path = os.path.expanduser(name)
     if os.path.exists(path):
         return path
     if name.startswith(("/", ".", "~")) or os.path.splitext(name)[1] in DATA_FILE_BUILDERS or name.count("/") > 1:
         raise argparse.ArgumentTypeError(f"no such file or folder: {name!r}")
-    offline_flags = ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE" if kind == "model" else "HF_DATASETS_OFFLINE"]
-    offline = any(os.environ.get(flag, "").upper() in ("1", "ON", "YES", "TRUE") for flag in offline_flags)
-    if offline or in_hub_cache(name, kind):
+    offline_flags = ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"]
+    if any(os.environ.get(flag, "").upper() in ("1", "ON", "YES", "TRUE") for flag in offline_flags):
+        return name
+    if in_hub_cache(name, kind):
         return name
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    status = hub_status(f"{endpoint}/api/{kind}s/{name}")
+    token = hub_token()
+    status = hub_status(f"{endpoint}/api/{kind}s/{urllib.parse.quote(name, safe='/')}", token)
     if status is None:
         raise argparse.ArgumentTypeError(
             f"no local folder {name!r}, and the Hub ({endpoint}) does not answer to look for a {kind} of that "
             "name; pass the path of a folder that exists, or connect to the Hub (HF_HUB_OFFLINE=1 uses the cache)"
         )
-    if status == 404:
+    # Without a token the Hub answers 401 for a repository it does not have (and for a private one), with one
+    # it answers 404.
+    if status == 404 or (status == 401 and token is None):
+        private = "" if token else " (if it is private, log in first: hf auth login)"
         raise argparse.ArgumentTypeError(
-            f"no local folder {name!r}, and no {kind} {name!r} on the Hub; pass the path of a folder that exists "
-            f"or the id of a Hub {kind}"
+            f"no local folder {name!r}, and no {kind} {name!r} on the Hub{private}; pass the path of a folder "
+            f"that exists or the id of a Hub {kind}"
         )
-    return name  # 200, or 401/403 (private or gated): the libraries ask again, with the user's token
+    return name  # 200, or any other answer: the libraries ask again and report it themselves
+
+
+def hf_home():
+    return os.path.expanduser(os.path.expandvars(os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")))
 
 
 def in_hub_cache(name, kind):
-    """Whether the Hugging Face cache holds the model or dataset (the hub's download cache, or for a dataset
-    also the datasets library's own)."""
-    cache_home = os.environ.get("XDG_CACHE_HOME", "~/.cache")
-    hf_home = os.environ.get("HF_HOME") or os.path.join(cache_home, "huggingface")
-    hub_cache = os.environ.get("HF_HUB_CACHE") or os.path.join(hf_home, "hub")
-    folders = [os.path.join(hub_cache, f"{kind}s--{name.replace('/', '--')}")]
-    if kind == "dataset":
-        datasets_cache = os.environ.get("HF_DATASETS_CACHE") or os.path.join(hf_home, "datasets")
-        folders.append(os.path.join(datasets_cache, name.replace("/", "___")))
-    return any(os.path.isdir(os.path.expanduser(folder)) for folder in folders)
+    """Whether the Hugging Face cache holds the model or dataset: the hub's download cache, or for a dataset
+    also the datasets library's own (whose folder for owner/SomeName is owner___some_name)."""
+    hub_cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(
+        hf_home(), "hub")
+    if os.path.isdir(os.path.expanduser(os.path.join(hub_cache, f"{kind}s--{name.replace('/', '--')}"))):
+        return True
+    datasets_cache = os.path.expanduser(os.environ.get("HF_DATASETS_CACHE") or os.path.join(hf_home(), "datasets"))
+    if kind != "dataset" or not os.path.isdir(datasets_cache):
+        return False
+    folders = {re.sub(r"[^a-z0-9]", "", folder.lower()) for folder in os.listdir(datasets_cache)}
+    return re.sub(r"[^a-z0-9]", "", name.lower()) in folders
 
 
-def hub_status(url, timeout=5):
-    """The HTTP status the Hub answers for url, or None if no answer comes within timeout seconds. A thread,
-    because urllib's timeout does not cover the name lookup, which can hang without a network."""
+def hub_token():
+    """The token the libraries would send (HF_TOKEN, or the file that `hf auth login` writes), or None."""
+    if os.environ.get("HF_TOKEN"):
+        return os.environ["HF_TOKEN"]
+    path = os.path.expanduser(os.environ.get("HF_TOKEN_PATH") or os.path.join(hf_home(), "token"))
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def hub_status(url, token, timeout=5):
+    """The HTTP status the Hub answers for url; None if it cannot be reached (no network, no such host, a
+    refused connection) or gives no answer within timeout seconds; 0 for any other failure (a TLS or proxy
+    problem is the libraries' to report). A thread, because urllib's timeout does not cover the name lookup,
+    which can hang without a network."""
+    import socket
+    import threading
+    import urllib.error
+    import urllib.request
+
     answer = []
 
     def ask():
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
         try:
-            with urllib.request.urlopen(url, timeout=timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 answer.append(response.status)
         except urllib.error.HTTPError as error:
             answer.append(error.code)
-        except (OSError, ValueError):  # no network, no such host, a malformed HF_ENDPOINT
-            pass
+        except urllib.error.URLError as error:
+            unreachable = isinstance(error.reason, (socket.gaierror, ConnectionError, TimeoutError)) or getattr(
+                error.reason, "errno", None) in (errno.ENETUNREACH, errno.EHOSTUNREACH)
+            answer.append(None if unreachable else 0)
+        except TimeoutError:
+            answer.append(None)
+        except Exception:  # a malformed HF_ENDPOINT, a broken answer: not ours to judge
+            answer.append(0)
 
     thread = threading.Thread(target=ask, daemon=True)
     thread.start()
@@ -1300,11 +1340,13 @@ def report_exit(stop):
 
 
 def wait_for_local_ranks_to_report(error_file, timeout=3):
-    """torchrun stops every rank (SIGTERM) as soon as one exits: a rank about to fail with the same line would
+    """torchrun stops every rank (SIGTERM) as soon as one fails: a rank about to fail with the same line would
     die before printing it, and show as "Signal 15" in the summary. So wait, at most timeout seconds, until
-    each rank of this node has written its error file (attempt_N/<local rank>/error.json)."""
-    attempt_dir, name = os.path.dirname(os.path.dirname(error_file)), os.path.basename(error_file)
-    error_files = [os.path.join(attempt_dir, str(rank), name)
+    each rank of this node has written its error file (torchrun's attempt_N/<local rank>/error.json)."""
+    rank_dir, name = os.path.split(error_file)
+    if os.path.basename(rank_dir) != os.environ.get("LOCAL_RANK"):
+        return  # an error file torchrun did not lay out
+    error_files = [os.path.join(os.path.dirname(rank_dir), str(rank), name)
                    for rank in range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and not all(map(os.path.exists, error_files)):

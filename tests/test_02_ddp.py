@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -316,17 +317,19 @@ def test_rank_0_alone_logs_every_metric_line_to_wandb(default_run_with_wandb):
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    """A stand-in for the Hugging Face Hub on a local port (HF_ENDPOINT): it knows the model 'owner/real'
-    (404 for its files) and answers 404 for anything else, as the Hub does for a name it does not have."""
+def hub():
+    """A stand-in for the Hugging Face Hub on a local port (HF_ENDPOINT). It knows the model 'owner/real' (and
+    has none of its files), and answers for any other name as the Hub does: 404 to a request with a token,
+    401 "RepoNotFound" to one without (the Hub's answer for a private repository, too)."""
     class Hub(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            self.send_response(200 if self.path == "/api/models/owner/real" else 404)
+            known = self.path == "/api/models/owner/real"
+            self.send_response(200 if known else 404 if self.headers.get("Authorization") else 401)
+            if not known:
+                self.send_header("X-Error-Code", "RepoNotFound")
             self.send_header("Content-Type", "application/json")
             self.end_headers()
-            self.wfile.write(b'{"id": "owner/real"}' if self.path == "/api/models/owner/real" else b"{}")
-
-        do_HEAD = do_GET
+            self.wfile.write(b'{"id": "owner/real"}' if known else b'{"error": "Repository not found"}')
 
         def log_message(self, *args):
             pass
@@ -337,38 +340,53 @@ def hub(tmp_path_factory):
     server.shutdown()
 
 
+@pytest.fixture
+def closed_port():
+    """A local port that refuses connections: bound (so that no launch takes it meanwhile), never listening."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
+
+
+def online(endpoint, **env):
+    """Not offline (as a reader is), the Hub at endpoint, reached directly even where a proxy is set."""
+    return {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
+            "HF_ENDPOINT": endpoint, "HTTP_PROXY": "", "HTTPS_PROXY": "", "http_proxy": "", "https_proxy": "",
+            "NO_PROXY": "*", "no_proxy": "*", "HF_TOKEN": "", **env}
+
+
 NO_HUB = "http://127.0.0.1:{closed_port}"  # connection refused at once
 SILENT_HUB = "http://192.0.2.1"  # TEST-NET-1, never routed: no answer at all (or "unreachable" at once)
-# A reader's first mistakes under torchrun, online as a reader is (HF_HUB_OFFLINE unset): flags, the Hub
-# (HF_ENDPOINT), the line each rank must print.
+# A reader's first mistakes under torchrun: flags, the Hub (HF_ENDPOINT; "hub": the stand-in), extra
+# environment, the line each rank must print.
 FIRST_MISTAKES = {
-    "zero-batch": (["-b", 0], NO_HUB, "argument -b/--batch-size: 0 is not a positive integer"),
-    "mistyped-data-file": (["-d", "data/trian.txt"], NO_HUB,
+    "zero-batch": (["-b", 0], NO_HUB, {}, "argument -b/--batch-size: 0 is not a positive integer"),
+    "mistyped-data-file": (["-d", "data/trian.txt"], NO_HUB, {},
                            "argument -d/--dataset-name: no such file or folder: 'data/trian.txt'"),
-    "missing-model-folder": (["-m", "./my-llama"], NO_HUB,
+    "missing-model-folder": (["-m", "./my-llama"], NO_HUB, {},
                              "argument -m/--model-name: no such file or folder: './my-llama'"),
     # A name without ./ is a folder or a Hub id: with no network, both readings fail in one line.
-    "missing-model-no-network": (["-m", "my-llama"], SILENT_HUB,
+    "missing-model-no-network": (["-m", "my-llama"], SILENT_HUB, {},
                                  f"argument -m/--model-name: no local folder 'my-llama', and the Hub "
                                  f"({SILENT_HUB}) does not answer to look for a model of that name"),
-    "missing-data-folder-no-network": (["-d", "data/train"], NO_HUB,
+    "missing-data-folder-no-network": (["-d", "data/train"], NO_HUB, {},
                                        "argument -d/--dataset-name: no local folder 'data/train', and the Hub "
                                        "(http://127.0.0.1:{closed_port}) does not answer to look for a dataset"),
-    "missing-model-not-on-the-hub": (["-m", "my-llama"], "hub",
+    "missing-model-not-on-the-hub": (["-m", "my-llama"], "hub", {},
                                      "argument -m/--model-name: no local folder 'my-llama', and no model "
-                                     "'my-llama' on the Hub"),
+                                     "'my-llama' on the Hub (if it is private, log in first: hf auth login)"),
+    "missing-model-not-on-the-hub-with-a-token": (
+        ["-m", "owner/my-llama"], "hub", {"HF_TOKEN": "hf_test"},
+        "no local folder 'owner/my-llama', and no model 'owner/my-llama' on the Hub; pass the path of a folder"),
 }
 
 
 @pytest.mark.parametrize("case", FIRST_MISTAKES)
-def test_a_first_mistake_is_one_line_on_every_rank_and_in_torchruns_summary(case, hub, tmp_path):
-    flags, endpoint, message = FIRST_MISTAKES[case]
-    closed_port = launching.free_port()
+def test_a_first_mistake_is_one_line_on_every_rank_and_in_torchruns_summary(case, hub, closed_port, tmp_path):
+    flags, endpoint, env, message = FIRST_MISTAKES[case]
     endpoint = hub if endpoint == "hub" else endpoint.format(closed_port=closed_port)
-    online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0",
-              "HF_ENDPOINT": endpoint}
     started = time.monotonic()
-    run = run_chapter("02", flags, tmp_path, nproc=2, expect_ok=False, timeout=60, env=online)
+    run = run_chapter("02", flags, tmp_path, nproc=2, expect_ok=False, timeout=60, env=online(endpoint, **env))
     assert time.monotonic() - started < 15, f"took {time.monotonic() - started:.0f} s to fail"
     assert run.returncode == 1
     message = message.format(closed_port=closed_port)
@@ -384,8 +402,8 @@ def test_a_first_mistake_is_one_line_on_every_rank_and_in_torchruns_summary(case
 def test_a_hub_id_that_the_hub_has_goes_to_the_libraries(hub, tmp_path):
     """The Hub check passes an id the Hub knows on, unchanged: the stand-in Hub has no files for it, so the
     load then fails with the libraries' reason, after the checks (and still leaves nothing under --save-dir)."""
-    online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HF_ENDPOINT": hub}
-    run = run_chapter("02", ["-m", "owner/real"], tmp_path, nproc=2, expect_ok=False, timeout=120, env=online)
+    run = run_chapter("02", ["-m", "owner/real"], tmp_path, nproc=2, expect_ok=False, timeout=120,
+                      env=online(hub))
     lines = [line for line in run.worker_stderr.splitlines() if line.startswith("error: ")]
     assert len(lines) == 2 and lines[0].startswith("error: cannot load model 'owner/real'"), run.stderr[-3000:]
     assert not (tmp_path / "outputs").exists()
@@ -395,15 +413,16 @@ def test_a_name_in_the_hugging_face_cache_is_not_asked_for(hub, tmp_path, monkey
     """A model or dataset in the cache goes to the libraries unasked (they can use it with no network); the
     same name, not cached, is asked for and refused by a Hub that does not have it."""
     hub_id_or_path = load_script(CHAPTERS["02"] / "train_llm.py")["hub_id_or_path"]
-    for var in ["HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE",
-                "HF_DATASETS_CACHE"]:
+    for var, value in online(hub, HF_HOME=str(tmp_path)).items():
+        monkeypatch.setenv(var, value)
+    for var in ["HF_TOKEN", "HF_TOKEN_PATH", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE"]:
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path))
-    monkeypatch.setenv("HF_ENDPOINT", hub)
-    for kind, cached in [("model", "hub/models--owner--cached"), ("dataset", "hub/datasets--owner--cached"),
-                         ("dataset", "datasets/owner___cached")]:
-        with pytest.raises(argparse.ArgumentTypeError, match=f"no {kind} 'owner/cached' on the Hub"):
-            hub_id_or_path("owner/cached", kind)
+    # (the datasets library names its folder for owner/SomeName owner___some_name)
+    for kind, name, cached in [("model", "owner/Cached", "hub/models--owner--Cached"),
+                               ("dataset", "owner/Cached", "hub/datasets--owner--Cached"),
+                               ("dataset", "owner/SomeName", "datasets/owner___some_name")]:
+        with pytest.raises(argparse.ArgumentTypeError, match=f"no {kind} '{name}' on the Hub"):
+            hub_id_or_path(name, kind)
         (tmp_path / cached).mkdir(parents=True)
-        assert hub_id_or_path("owner/cached", kind) == "owner/cached"
+        assert hub_id_or_path(name, kind) == name
         shutil.rmtree(tmp_path / cached)

@@ -1,6 +1,8 @@
 """Each chapter README teaches its code in hunks of the diff against the previous chapter; these tests keep every
 hunk it shows equal to the real diff, short enough to follow, and the command for the whole diff in view."""
+import functools
 import re
+import subprocess
 
 import pytest
 
@@ -36,7 +38,10 @@ def test_a_readme_that_shows_hunks_gives_the_command_for_the_whole_diff(readme):
 
 # A python block a README takes from a file says so: <!-- quote path/to/file.py --> on the line before it.
 PYTHON_BLOCK = re.compile(r"(?:<!-- quote (\S+) -->\n)?```python\n(.*?)```\n", re.DOTALL)
-SOURCES = sorted(path for path in ROOT.rglob("*.py") if not {"tests", ".git"} & set(path.relative_to(ROOT).parts))
+# The repository's own scripts and tools (git's list: not a virtual environment or outputs inside the clone).
+SOURCES = [ROOT / name for name in subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
+                                                 text=True, check=True).stdout.split()
+           if not name.startswith("tests/")]
 PYTHON_BLOCKS = [(readme, quoted, block) for readme in READMES for quoted, block in PYTHON_BLOCK.findall(
     readme.read_text())]
 
@@ -54,11 +59,15 @@ def is_excerpt(block, text):
     return False
 
 
+@functools.cache
+def lines_of_sources():
+    return {line.strip() for path in SOURCES if path.exists() for line in path.read_text().splitlines()}
+
+
 def share_of_lines_found_in_sources(block):
     """The share of the block's longer lines (12 characters or more: not `try:`) that some script or tool has."""
-    known = {line.strip() for path in SOURCES for line in path.read_text().splitlines()}
     lines = [line.strip() for line in block.splitlines() if len(line.strip()) >= 12]
-    return sum(line in known for line in lines) / max(1, len(lines))
+    return sum(line in lines_of_sources() for line in lines) / max(1, len(lines))
 
 
 @pytest.mark.parametrize("readme,quoted,block", PYTHON_BLOCKS,

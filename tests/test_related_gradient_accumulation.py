@@ -94,6 +94,6 @@ def test_a_stopped_accumulating_run_resumes_to_the_uninterrupted_losses_and_weig
 def test_zero_grad_accum_steps_fails_with_one_line(common_args, tmp_path):
     run = run_chapter("01", [*common_args, "--grad-accum-steps", 0], tmp_path, expect_ok=False, timeout=120)
     assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr[-3000:]
-    assert run.stderr.strip().splitlines()[-1].endswith(
-        "train_llm.py: error: argument --grad-accum-steps: 0 is not a positive integer"
-    ), run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        "error: argument --grad-accum-steps: 0 is not a positive integer (--help lists the flags)"
+    ) and "usage:" not in run.stderr, run.stderr[-3000:]

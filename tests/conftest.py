@@ -340,6 +340,13 @@ def max_weight_diff(hf_dir_a, hf_dir_b):
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
+def mean_weight_diff(hf_dir_a, hf_dir_b):
+    """The mean distance over every weight: rounding (bf16) averages out in it, a systematic change does not."""
+    a, b = load_weights(hf_dir_a), load_weights(hf_dir_b)
+    assert a.keys() == b.keys()
+    return (sum((a[name] - b[name]).abs().sum().item() for name in a) / sum(a[name].numel() for name in a))
+
+
 # The fp32 tolerances of every parity check (N ranks against one process, a resume on another layout, a compiled
 # run against an eager one): rounding in another order stays within them. Measured on 2026-12-03 over all 49
 # parity checks of the suite (PARITY_RECORD below): at most 9.5e-7 on a loss (2 ulps of a loss near 5),

@@ -11,7 +11,7 @@ state lost on resume) changes.
 import pytest
 
 from conftest import (
-    INJECT, assert_same_training, inject_env, load_weights, max_weight_diff, run_chapter, shard_bytes,
+    INJECT, assert_same_training, inject_env, load_weights, mean_weight_diff, run_chapter, shard_bytes,
     stop_then_resume, write_tiny_model,
 )
 
@@ -141,10 +141,13 @@ def test_bf16_mixed_precision_computes_in_bf16_and_follows_single_process_autoca
     ours = launch_once("07", [*args, *flags], nproc=nproc)
     fp32 = launch(tiny_model, (2, 2))
     # NOTE: measured: 1.5e-3 from our own fp32 run (so bf16 is in effect), 1.6e-3 from chapter 01's bf16
-    # autocast (which keeps the norms' weights in fp32; the policy casts them too), weights 4.2e-3 apart.
+    # autocast (which keeps the norms' weights in fp32; the policy casts them too).
     assert max(abs(a - b) for a, b in zip(ours.losses, fp32.losses)) > 5e-4, (ours.losses, fp32.losses)
     assert max(abs(a - b) for a, b in zip(single.losses, ours.losses)) < 5e-3, (single.losses, ours.losses)
-    assert max_weight_diff(single.exp_dir / "hf", ours.exp_dir / "hf") < 2e-2
+    # A weight's bf16 rounding can reach the size of what training moved it (1.4e-3 of at most 6.5e-3), but it
+    # averages out over all weights: 1.5e-5 apart on average, measured 2026-12-03, where training moved them
+    # 3.3e-3. The bound is 5x that.
+    assert mean_weight_diff(single.exp_dir / "hf", ours.exp_dir / "hf") < 7.5e-5
 
 
 def test_compile_trains_as_single_process_does(launch, launch_once, common_args, tiny_model):

@@ -146,8 +146,8 @@ def test_bf16_mixed_precision_computes_in_bf16_and_follows_single_process_autoca
     assert max(abs(a - b) for a, b in zip(single.losses, ours.losses)) < 5e-3, (single.losses, ours.losses)
     # A weight's bf16 rounding can reach the size of what training moved it (1.4e-3 of at most 6.5e-3), but it
     # averages out over all weights: 1.5e-5 apart on average, measured 2026-12-03, where training moved them
-    # 3.3e-3. The bound is 5x that.
-    assert mean_weight_diff(single.exp_dir / "hf", ours.exp_dir / "hf") < 7.5e-5
+    # 3.3e-3. The bound is 3x that; chapter 07 skipping its last optimizer step puts them 6.5e-5 apart.
+    assert mean_weight_diff(single.exp_dir / "hf", ours.exp_dir / "hf") < 4.5e-5
 
 
 def test_compile_trains_as_single_process_does(launch, launch_once, common_args, tiny_model):

@@ -115,6 +115,14 @@ def offline_env(tmp_path):
     return env
 
 
+def online_env(**env):
+    """Additions to offline_env for a launch that is online, as a reader's is: the libraries not offline, the Hub
+    (HF_ENDPOINT in env, if given) reached directly even where a proxy is set, no token."""
+    return {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0", "HTTP_PROXY": "",
+            "HTTPS_PROXY": "", "http_proxy": "", "https_proxy": "", "NO_PROXY": "*", "no_proxy": "*",
+            "HF_TOKEN": "", **env}
+
+
 def start_chapter(chapter, args, tmp_path, nproc=None, env=None, experiment="test", script=None, agent=None):
     """Start a chapter's train_llm.py in the background, in a session of its own; returns (Popen, command).
 

@@ -20,8 +20,8 @@ import torch
 import transformers
 
 from conftest import (
-    INJECT, assert_same_training, inject_env, max_weight_diff, measured, run_chapter, wandb_history,
-    write_tiny_model,
+    INJECT, assert_same_training, inject_env, max_weight_diff, measured, online_env, run_chapter,
+    wandb_history, write_tiny_model,
 )
 from launching import without_timing
 
@@ -210,10 +210,9 @@ def test_bad_input_fails_fast_with_one_line(case, common_args, tmp_path):
     flags, message = BAD_INPUTS[case]
     flags = flags(tmp_path) if callable(flags) else flags
     # Online, as a reader is: a mistyped path must fail at once, not after the Hub's retries.
-    online = {"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"}
     with measured() as cost:
         run = run_chapter("01", [*common_args, *flags], tmp_path, expect_ok=False, timeout=180,
-                          env=online if case.startswith("mistyped") else None)
+                          env=online_env() if case.startswith("mistyped") else None)
     assert_fails_with_one_line(run, message, cost)
     # the checks come before anything is written: no outputs/<name>/ of a run that never started
     assert not run.exp_dir.exists()

@@ -953,6 +953,12 @@ def one_line(error):
     return " ".join(str(error).split()) or type(error).__name__
 
 
+def exit_if(problem):
+    """A check above the rule names its problem (None when there is none); this makes it the one-line exit."""
+    if problem:
+        sys.exit(f"error: {problem}")
+
+
 def check_model_fits_tokenizer(args, config, tokenizer):
     # NOTE: a token id past the embedding fails deep in the forward on CPU, and as a device-side assert on CUDA.
     vocab_size = getattr(config, "vocab_size", None)

@@ -400,8 +400,7 @@ def check_pipeline_fits(args, config, pp_size, stages_per_rank):
     elif args.schedule == "interleaved-1f1b" and args.num_microbatches % pp_size:
         problem = (f"--schedule interleaved-1f1b sends micro-batches round the ranks in groups of {pp_size}; "
                    f"pass a --num-microbatches that is a multiple of {pp_size}")
-    if problem:
-        sys.exit(f"error: {problem}")
+    exit_if(problem)
 
 
 def save_checkpoint(exp_dir, state, param_shapes, stages, optimizer, lr_schedule):
@@ -989,6 +988,12 @@ def exit_on_build_error(args):
 def one_line(error):
     """The error's message as one line: some libraries spread it over several, with the cause on the last."""
     return " ".join(str(error).split()) or type(error).__name__
+
+
+def exit_if(problem):
+    """A check above the rule names its problem (None when there is none); this makes it the one-line exit."""
+    if problem:
+        sys.exit(f"error: {problem}")
 
 
 def check_model_fits_tokenizer(args, config, tokenizer):

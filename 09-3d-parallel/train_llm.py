@@ -533,8 +533,7 @@ def check_mesh_fits(args, world_size):
     elif args.dp is not None and args.dp != dp_size:
         problem = (f"--pp {args.pp} x --dp {args.dp} x --tp {args.tp} = {args.pp * args.dp * args.tp} ranks, but "
                    f"{world_size} were launched; launch that many processes, or pass --dp {dp_size}")
-    if problem:
-        sys.exit(f"error: {problem}")
+    exit_if(problem)
     return dp_size
 
 
@@ -560,8 +559,7 @@ def check_pipeline_fits(args, config, pp_size, stages_per_rank):
     elif args.schedule == "interleaved-1f1b" and args.num_microbatches % pp_size:
         problem = (f"--schedule interleaved-1f1b sends micro-batches round the ranks in groups of {pp_size}; "
                    f"pass a --num-microbatches that is a multiple of {pp_size}")
-    if problem:
-        sys.exit(f"error: {problem}")
+    exit_if(problem)
 
 
 def check_tensor_parallel_fits(config, seq_length, tp_size):
@@ -1190,6 +1188,12 @@ def exit_on_build_error(args):
 def one_line(error):
     """The error's message as one line: some libraries spread it over several, with the cause on the last."""
     return " ".join(str(error).split()) or type(error).__name__
+
+
+def exit_if(problem):
+    """A check above the rule names its problem (None when there is none); this makes it the one-line exit."""
+    if problem:
+        sys.exit(f"error: {problem}")
 
 
 def check_model_fits_tokenizer(args, config, tokenizer):

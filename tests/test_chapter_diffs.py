@@ -31,8 +31,8 @@ CHAPTER_DIFFS = {
     ("06", "07"): (95, {"main", "get_parser", "check_tensor_parallel_fits", "evaluate"}),
     # A pipeline replaces the model's forward and backward with a schedule, and each rank's checkpoint part and
     # export cover its stages: chapter 04's DCP format, under the whole model's names.
-    ("02", "08"): (355, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
-    ("07", "09"): (425, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
+    ("02", "08"): (354, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
+    ("07", "09"): (421, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
 }
 # chapter: (the chapter whose text these functions must be, the functions)
 BORROWED = {"06": ("04", {"save_checkpoint", "load_checkpoint", "export_hf"})}
@@ -55,8 +55,9 @@ ONE_PROCESS_LINES = {
 TECHNIQUE_CALL = {"02": "DistributedDataParallel(", "04": "fully_shard(", "05": "fully_shard(",
                   "06": "parallelize_module(", "07": "fully_shard(", "08": "PipelineStage(", "09": "PipelineStage("}
 # The checks a chapter keeps above the rule are its technique's own (a mesh that does not divide, a model the
-# plan does not fit); chapter 09 has those of 07 and 08, and its (pp, dp, tp) mesh.
-MOST_ERRORS_ABOVE_THE_RULE = {chapter: 5 for chapter in SCRIPTS} | {"09": 6}
+# plan does not fit); a check that finds one of several problems names it and leaves the exit to the band's
+# exit_if.
+MOST_ERRORS_ABOVE_THE_RULE = {chapter: 5 for chapter in SCRIPTS}
 
 
 def script(chapter):

@@ -32,6 +32,7 @@ CHAPTERS = {
     "07": ROOT / "07-2d-parallel",
     "08": ROOT / "08-pipeline-parallel",
     "09": ROOT / "09-3d-parallel",
+    "10": ROOT / "10-context-parallel",
 }
 INJECT = Path(__file__).with_name("inject.py")
 PRACTICE = CHAPTERS["03"] / "practice-cluster"

@@ -9,7 +9,8 @@ Each chapter runs at one process, the way a reader launches it (`python` for 01,
    chapter with --compile, and the CPU-offload paths of 04 and 05. These prove the CUDA paths run; their
    tokens/s, from processes that share the GPU, measure nothing.
 2. One at a time, a model of Llama-3.2-1B's shape at 2048 tokens a sequence, eager, in every chapter that has a
-   code path of its own at one process (05 and 07 add nothing there that 04 and 06 do not run).
+   code path of its own at one process (05, 07 and 10 add nothing there that 04 and 06 do not run: context
+   parallelism needs 2+ ranks, and NCCL puts no two ranks on one GPU).
 3. One at a time, the same model with --compile in chapter 04 (FSDP, the usual way to train at scale), and with
    FlashAttention 2 in chapter 01 when flash-attn is installed.
 The 1B runs are stopped once their last step is logged: they measure training, while their checkpoint (15 GB of
@@ -42,6 +43,7 @@ CHAPTERS = {
     "07": ROOT / "07-2d-parallel" / "train_llm.py",
     "08": ROOT / "08-pipeline-parallel" / "train_llm.py",
     "09": ROOT / "09-3d-parallel" / "train_llm.py",
+    "10": ROOT / "10-context-parallel" / "train_llm.py",
 }
 BIG_EAGER = ("01", "02", "04", "06", "08", "09")
 # NOTE: the shape of meta-llama/Llama-3.2-1B (1.24B parameters). Token ids are the ByT5 byte tokenizer's: its

@@ -33,6 +33,9 @@ CHAPTER_DIFFS = {
     # export cover its stages: chapter 04's DCP format, under the whole model's names.
     ("02", "08"): (354, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
     ("07", "09"): (421, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
+    # Context parallelism keeps chapter 04's sharding, checkpoints and export; the rows and the validation are
+    # split over the dp ranks, the tokens over the cp ranks.
+    ("04", "10"): (170, {"main", "get_parser", "evaluate"}),
 }
 # chapter: (the chapter whose text these functions must be, the functions)
 BORROWED = {"06": ("04", {"save_checkpoint", "load_checkpoint", "export_hf"})}
@@ -53,7 +56,8 @@ ONE_PROCESS_LINES = {
 }
 # What a reader of a chapter meets first: its technique, within the first screens of the file.
 TECHNIQUE_CALL = {"02": "DistributedDataParallel(", "04": "fully_shard(", "05": "fully_shard(",
-                  "06": "parallelize_module(", "07": "fully_shard(", "08": "PipelineStage(", "09": "PipelineStage("}
+                  "06": "parallelize_module(", "07": "fully_shard(", "08": "PipelineStage(", "09": "PipelineStage(",
+                  "10": "use_context_parallel_attention("}
 # The checks a chapter keeps above the rule are its technique's own (a mesh that does not divide, a model the
 # plan does not fit); a check that finds one of several problems names it and leaves the exit to the band's
 # exit_if.

@@ -1,15 +1,17 @@
 """Train the same model with every chapter and plot the per-step losses on top of each other.
 
     pip install -r docs/requirements.txt
-    python docs/loss_parity.py            # about 5 minutes on a 2-core CPU; writes docs/loss-parity.png
+    python docs/loss_parity.py            # about 8 minutes on a 2-core CPU; writes docs/loss-parity.png
 
 Every chapter starts from the same saved weights (--from-pretrained), trains in fp32 on the built-in corpus
 with the same global batch of 8 sequences: one process at -b 8 (chapter 01), 2 ranks at -b 4 (DDP, FSDP), 2
 ranks at -b 8 (tensor parallelism and pipeline stages, where both ranks see the whole batch), 4 ranks as 2 x 2
-(2D at -b 4, 3D as 2 stages of 2 TP ranks at -b 8). The upper panel shows the losses, the lower one each
-chapter's difference from chapter 01, which stays at rounding level (about 1e-6).
+(2D at -b 4, 3D as 2 stages of 2 TP ranks at -b 8, context parallelism as 2 dp ranks of 2 cp ranks at -b 4).
+The upper panel shows the losses, the lower one each chapter's difference from chapter 01, which stays at
+rounding level (about 1e-6).
 """
 import argparse
+import itertools
 import json
 import subprocess
 import sys
@@ -33,6 +35,7 @@ CHAPTERS = {
     "07-2d-parallel": (4, 4, ["--tp", "2"]),
     "08-pipeline-parallel": (2, 8, []),
     "09-3d-parallel": (4, 8, ["--pp", "2", "--tp", "2"]),
+    "10-context-parallel": (4, 4, ["--cp", "2"]),
 }
 
 
@@ -79,7 +82,7 @@ def train(chapter, model, work, steps):
 
 def plot(losses, out):
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=[2, 1])
-    for (name, values), style in zip(losses.items(), ["-", "--", ":", "-.", "--", ":", "-."]):
+    for (name, values), style in zip(losses.items(), itertools.cycle(["-", "--", ":", "-."])):
         steps = range(1, len(values) + 1)
         top.plot(steps, values, style, label=name, linewidth=1.5)
         bottom.plot(steps, [a - b for a, b in zip(values, losses["01-single-gpu"])], style, label=name)

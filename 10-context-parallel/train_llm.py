@@ -284,7 +284,10 @@ def make_device_mesh(device, world_size, replicate_degree):
 def check_context_parallel_fits(args, config, world_size):
     """Exit with one line if the ranks, the sequence or the model's attention cannot be split as asked."""
     window = getattr(config, "sliding_window", None)
-    slides = "sliding_attention" in (getattr(config, "layer_types", None) or ["sliding_attention"])
+    # (a config without layer_types applies its window, if any, in every layer: Mistral)
+    layer_types = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+    other_layers = sorted(layer_types - {"full_attention", "sliding_attention"})
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     problem = None
     if world_size % args.cp:
         problem = (f"--cp {args.cp} does not divide the {world_size} ranks; pass a divisor of the number of "
@@ -295,7 +298,13 @@ def check_context_parallel_fits(args, config, world_size):
     elif args.cp > 1 and args.attn_implementation is not None:
         problem = ("--cp brings its own attention (this rank's queries against the gathered keys and values); "
                    "leave out --attn-implementation")
-    elif args.cp > 1 and window and slides and window < args.seq_length:
+    elif args.cp > 1 and other_layers:
+        problem = (f"{config.model_type} has {', '.join(other_layers)} layers, which this chapter does not split "
+                   "over ranks; use --cp 1 for this model")
+    elif args.cp > 1 and rope.get("rope_type") in ("dynamic", "longrope"):
+        problem = (f"{config.model_type}'s {rope['rope_type']} RoPE scales by the longest position a rank sees, "
+                   "which differs between cp ranks; use --cp 1 for this model")
+    elif args.cp > 1 and window and "sliding_attention" in layer_types and window < args.seq_length:
         problem = (f"{config.model_type} attends within a sliding window of {window} tokens, which this "
                    f"chapter's attention does not implement; pass -s {window} or less, or --cp 1")
     elif args.cp > 1 and getattr(config, "attn_logit_softcapping", None):
@@ -334,6 +343,9 @@ def context_parallel_attention(cp_group, module, query, key, value, attention_ma
 
     query, key, value: [batch, heads, tokens of this rank's 2 chunks, head_dim], RoPE already applied at true
     positions. The model passes no attention_mask to an attention of this kind: causality is ours to apply."""
+    if kwargs.get("s_aux") is not None:  # (GPT-OSS: a learned sink logit per head, no config field says so)
+        exit_if(f"{type(module).__name__} adds attention sinks, which this chapter's attention does not "
+                "implement; use --cp 1 for this model")
     cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     key, value = (whole_sequence(GatherOverRanks.apply(tensor, cp_group)) for tensor in (key, value))
     chunk_length = query.shape[2] // 2
@@ -372,7 +384,8 @@ class GatherOverRanks(torch.autograd.Function):
         # all_gather_into_tensor and reduce_scatter_tensor are renamed in 2.13.)
         pieces = torch.empty_like(grad_gathered)
         dist.all_to_all_single(pieces, grad_gathered.contiguous(), group=ctx.group)
-        return pieces.sum(dim=0), None
+        # (added in fp32: in bf16 the sum of cp parts would round at every addition)
+        return pieces.sum(dim=0, dtype=torch.float32).to(pieces.dtype), None
 
 
 def whole_sequence(gathered):
@@ -385,12 +398,11 @@ def whole_sequence(gathered):
 def attend_causally(queries, key, value, seen, dropout, scaling):
     """Attention of the queries, the last of the first `seen` positions, to the keys of those positions: the
     causal mask aligned to the bottom right of the queries x keys block."""
-    # Grouped-query attention gathers the few key/value heads, then repeats them for their query heads.
-    repeats = queries.shape[1] // key.shape[1]
-    key, value = (tensor[:, :, :seen].repeat_interleave(repeats, dim=1) for tensor in (key, value))
     causal_mask = causal_lower_right(queries.shape[2], seen)
-    return F.scaled_dot_product_attention(queries, key, value, attn_mask=causal_mask, dropout_p=dropout,
-                                          scale=scaling)
+    # enable_gqa: each of the few key/value heads serves its group of query heads, without copies of the keys
+    # and values at the queries' head count (which backward would keep: 4x the gathered bytes in Llama 3).
+    return F.scaled_dot_product_attention(queries, key[:, :, :seen], value[:, :, :seen], dropout_p=dropout,
+                                          attn_mask=causal_mask, scale=scaling, enable_gqa=True)
 
 
 def build_model(args, config, device, mesh, compute_dtype):

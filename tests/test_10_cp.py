@@ -60,6 +60,14 @@ def test_context_parallel_matches_single_process(launch, model, layout):
     assert_same_training(launch("10", model, nproc, flags), reference)
 
 
+@pytest.mark.parametrize("flags", [["--cp", 2, "-b", 2, "--global-batch-size", 8],
+                                   ["--cp", 2, "-b", 4, "--replicate-degree", 2]], ids=["accumulation", "hsdp"])
+def test_accumulation_and_hsdp_under_context_parallelism_match_single_process(launch, flags):
+    """4 ranks as (dp, cp) = (2, 2): 2 micro-batches of 2 rows per dp rank (--global-batch-size sets K from the
+    dp ranks, not all ranks), and HSDP (2 replicas of the model, each sharded over 2 ranks) beside cp 2."""
+    assert_same_training(launch("10", "llama", 4, flags), launch("01"))
+
+
 @pytest.mark.parametrize("nproc,flags", [(1, ["--cp", 1, "-b", 8]), (4, ["--cp", 4, "-b", 8])],
                          ids=["cp1", "cp4"])
 def test_a_cp2_checkpoint_resumes_on_other_cp_sizes(launch, common_args, tmp_path, nproc, flags):
@@ -113,7 +121,13 @@ def test_ranks_that_cp_does_not_divide_fail_with_one_line_on_every_rank(common_a
     (["--cp", 2], transformers.Gemma2Config(),
      "gemma2 caps its attention logits, which this chapter's attention does not implement; use --cp 1 for this "
      "model"),
-], ids=["sequence", "attention", "sliding-window", "soft-capping"])
+    (["--cp", 2], transformers.LlamaConfig(num_hidden_layers=2,
+                                           layer_types=["full_attention", "linear_attention"]),
+     "llama has linear_attention layers, which this chapter does not split over ranks; use --cp 1 for this model"),
+    (["--cp", 2], transformers.LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+     "llama's dynamic RoPE scales by the longest position a rank sees, which differs between cp ranks; use --cp 1 "
+     "for this model"),
+], ids=["sequence", "attention", "sliding-window", "soft-capping", "hybrid-layers", "dynamic-rope"])
 def test_what_this_attention_cannot_split_is_refused_with_one_line(flags, config, message):
     """The check every rank runs before it builds the model (the launched test above shows that such a line
     reaches every rank and stops the job)."""

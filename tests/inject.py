@@ -30,6 +30,8 @@ INJECT=label-counts   at exit, print "rank r: label_counts [n, ...]": the label 
                       cross_entropy call, in order (one a micro-batch in chapter 01)
 INJECT=rows           at exit, print "rank r: rows {json}": the token rows the model read in training and in
                       evaluation, in order (hashes of the input_ids rows of each forward of the whole model)
+INJECT=slow-p2p       sleep 50 ms before each batch of point-to-point sends and receives of this rank (a slow
+                      link or NIC, for diagnosing-errors/tools/bandwidth.py --check)
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -260,6 +262,15 @@ elif what == "rows":
 
     torch.nn.modules.module.register_module_forward_pre_hook(record_rows)
     report_at_exit(lambda: f"rows {json.dumps(seen)}")
+elif what == "slow-p2p":
+    real_batch_isend_irecv = dist.batch_isend_irecv
+
+    def slow_batch_isend_irecv(ops):
+        if affected:
+            time.sleep(0.05)
+        return real_batch_isend_irecv(ops)
+
+    dist.batch_isend_irecv = slow_batch_isend_irecv
 else:
     raise SystemExit(f"inject.py: unknown INJECT={what!r}")
 

@@ -573,3 +573,37 @@ def test_readme_runs_every_repro_script_and_tool():
     scripts = [f"{path.parent.name}/{path.name}" for path in sorted(FOLDER.glob("*/*.py")) if path.name != "jobs.py"]
     not_shown = [name for name in scripts if not re.search(rf"^\$ .*{re.escape(name)}", readme, re.MULTILINE)]
     assert not not_shown, f"no `$ ...` command in diagnosing-errors/README.md runs {not_shown}"
+
+
+def bandwidth_rows(stdout):
+    """(collective, size in bytes, seconds, algbw, busbw) of each line of tools/bandwidth.py's sweep."""
+    units = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}
+    return [(name, int(number) * units[unit], float(us) / 1e6, float(algbw), float(busbw))
+            for name, number, unit, us, algbw, busbw in re.findall(
+                r"^(\w+) +(\d+)([KMG]?) +([\d.]+) +([\d.]+) +([\d.]+)$", stdout, re.MULTILINE)]
+
+
+def test_bandwidth_sweep_reports_algbw_and_each_collectives_busbw_factor(tmp_path):
+    run = run_to_end(torchrun("tools/bandwidth.py", "--sizes", "4K-64K", "--warmup", 1, "--iters", 3), tmp_path)
+    assert run.returncode == 0, run.output[-3000:]
+    rows = bandwidth_rows(run.stdout)
+    factors = {"all_reduce": 2 * (2 - 1) / 2, "all_gather": 1 / 2, "reduce_scatter": 1 / 2, "all_to_all": 1 / 2}
+    assert [name for name, *_ in rows] == [name for name in factors for _ in range(5)]
+    for name in factors:
+        assert [size for other, size, *_ in rows if other == name] == [4096 * 2**i for i in range(5)]
+    for name, size, seconds, algbw, busbw in rows:
+        # (the printed numbers are rounded: 1 us, 1 MB/s)
+        assert algbw == pytest.approx(size / seconds / 1e9, rel=0.05, abs=2e-3)
+        assert busbw == pytest.approx(algbw * factors[name], abs=2e-3)
+
+
+def test_bandwidth_check_names_the_one_rank_whose_link_is_slow(tmp_path):
+    """Rank 2 of 4 sleeps 50 ms before each exchange (tests/inject.py slow-p2p): its pairs are slow, and each
+    other rank has one slow partner of 3, so only rank 2's median falls."""
+    command = torchrun(ROOT / "tests" / "inject.py", "--check", "--check-size", "1M", "--iters", 5, nproc=4)
+    run = run_to_end(command, tmp_path, INJECT_SCRIPT=str(FOLDER / "tools" / "bandwidth.py"), INJECT="slow-p2p",
+                     INJECT_RANK="2")
+    assert run.returncode == 0, run.output[-3000:]
+    slow = re.findall(r"^SLOW: rank (\d+) on (\S+):", run.stdout, re.MULTILINE)
+    assert slow == [("2", socket.gethostname())], run.stdout
+    assert len(re.findall(r"^rank \d on \S+: [\d.]+ GB/s", run.stdout, re.MULTILINE)) == 4

@@ -79,8 +79,7 @@ def main():
     dp_rank, dp_size = cp_mesh.get_local_rank("dp"), cp_mesh["dp"].size()
     # This rank's 2 chunks of every sequence: positions [i*c, (i+1)*c) and their mirror from the end.
     positions = chunk_positions(cp_mesh.get_local_rank("cp"), args.cp, args.seq_length, device)
-    if args.cp > 1:
-        use_context_parallel_attention(args, cp_mesh.get_group("cp"))
+    use_context_parallel_attention(args, cp_mesh.get_group("cp"))
     model = build_model(args, config, device, mesh, compute_dtype)
     param_shapes = {name: list(p.shape) for name, p in model.named_parameters()}
     flops_per_token = training_flops_per_token(model, config, args.seq_length)
@@ -292,31 +291,29 @@ def check_context_parallel_fits(args, config, world_size):
     if world_size % args.cp:
         problem = (f"--cp {args.cp} does not divide the {world_size} ranks; pass a divisor of the number of "
                    "ranks (a cp group is best kept inside one node)")
-    elif args.cp > 1 and args.seq_length % (2 * args.cp):
+    elif args.seq_length % (2 * args.cp):
         problem = (f"-s {args.seq_length} does not cut into 2 x --cp = {2 * args.cp} chunks of equal length; "
                    f"pass a multiple of {2 * args.cp}")
-    elif args.cp > 1 and args.attn_implementation is not None:
+    elif args.attn_implementation is not None:
         problem = ("--cp brings its own attention (this rank's queries against the gathered keys and values); "
                    "leave out --attn-implementation")
-    elif args.cp > 1 and other_layers:
+    elif other_layers:
         problem = (f"{config.model_type} has {', '.join(other_layers)} layers, which this chapter does not split "
-                   "over ranks; use --cp 1 for this model")
-    elif args.cp > 1 and rope.get("rope_type") in ("dynamic", "longrope"):
+                   "over ranks; train this model with chapter 04")
+    elif rope.get("rope_type") in ("dynamic", "longrope"):
         problem = (f"{config.model_type}'s {rope['rope_type']} RoPE scales by the longest position a rank sees, "
-                   "which differs between cp ranks; use --cp 1 for this model")
-    elif args.cp > 1 and window and "sliding_attention" in layer_types and window < args.seq_length:
+                   "which differs between cp ranks; train this model with chapter 04")
+    elif window and "sliding_attention" in layer_types and window < args.seq_length:
         problem = (f"{config.model_type} attends within a sliding window of {window} tokens, which this "
-                   f"chapter's attention does not implement; pass -s {window} or less, or --cp 1")
-    elif args.cp > 1 and getattr(config, "attn_logit_softcapping", None):
+                   f"chapter's attention does not implement; pass -s {window} or less, or use chapter 04")
+    elif getattr(config, "attn_logit_softcapping", None):
         problem = (f"{config.model_type} caps its attention logits, which this chapter's attention does not "
-                   "implement; use --cp 1 for this model")
+                   "implement; train this model with chapter 04")
     exit_if(problem)
 
 
 def chunk_positions(cp_rank, cp_size, seq_length, device):
     """The positions this cp rank holds, in the order it holds them: its two chunks (rank_chunks)."""
-    if cp_size == 1:
-        return torch.arange(seq_length, device=device)
     chunk_length = seq_length // (2 * cp_size)
     return torch.cat([torch.arange(chunk * chunk_length, (chunk + 1) * chunk_length, device=device)
                       for chunk in rank_chunks(cp_rank, cp_size)])
@@ -345,7 +342,7 @@ def context_parallel_attention(cp_group, module, query, key, value, attention_ma
     positions. The model passes no attention_mask to an attention of this kind: causality is ours to apply."""
     if kwargs.get("s_aux") is not None:  # (GPT-OSS: a learned sink logit per head, no config field says so)
         exit_if(f"{type(module).__name__} adds attention sinks, which this chapter's attention does not "
-                "implement; use --cp 1 for this model")
+                "implement; train this model with chapter 04")
     cp_size, cp_rank = dist.get_world_size(cp_group), dist.get_rank(cp_group)
     key, value = (whole_sequence(GatherOverRanks.apply(tensor, cp_group)) for tensor in (key, value))
     chunk_length = query.shape[2] // 2

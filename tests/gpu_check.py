@@ -9,8 +9,8 @@ Each chapter runs at one process, the way a reader launches it (`python` for 01,
    chapter with --compile, and the CPU-offload paths of 04 and 05. These prove the CUDA paths run; their
    tokens/s, from processes that share the GPU, measure nothing.
 2. One at a time, a model of Llama-3.2-1B's shape at 2048 tokens a sequence, eager, in every chapter that has a
-   code path of its own at one process (05, 07 and 10 add nothing there that 04 and 06 do not run: context
-   parallelism needs 2+ ranks, and NCCL puts no two ranks on one GPU).
+   code path of its own at one process (05, 07 and 10 add nothing there that 04 and 06 do not run; 10's
+   attention, at --cp 1 on one GPU, runs in stage 1).
 3. One at a time, the same model with --compile in chapter 04 (FSDP, the usual way to train at scale), and with
    FlashAttention 2 in chapter 01 when flash-attn is installed.
 The 1B runs are stopped once their last step is logged: they measure training, while their checkpoint (15 GB of

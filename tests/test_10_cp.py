@@ -112,22 +112,26 @@ def test_ranks_that_cp_does_not_divide_fail_with_one_line_on_every_rank(common_a
 @pytest.mark.parametrize("flags,config,message", [
     (["--cp", 2, "-s", 30], None,
      "-s 30 does not cut into 2 x --cp = 4 chunks of equal length; pass a multiple of 4"),
+    (["--cp", 1, "-s", 31], None,
+     "-s 31 does not cut into 2 x --cp = 2 chunks of equal length; pass a multiple of 2"),
     (["--cp", 2, "--attn-implementation", "eager"], None,
      "--cp brings its own attention (this rank's queries against the gathered keys and values); leave out "
      "--attn-implementation"),
     (["--cp", 2, "-s", 32], MISTRAL,
      "mistral attends within a sliding window of 16 tokens, which this chapter's attention does not implement; "
-     "pass -s 16 or less, or --cp 1"),
+     "pass -s 16 or less, or use chapter 04"),
     (["--cp", 2], transformers.Gemma2Config(),
-     "gemma2 caps its attention logits, which this chapter's attention does not implement; use --cp 1 for this "
-     "model"),
+     "gemma2 caps its attention logits, which this chapter's attention does not implement; train this model "
+     "with chapter 04"),
     (["--cp", 2], transformers.LlamaConfig(num_hidden_layers=2,
                                            layer_types=["full_attention", "linear_attention"]),
-     "llama has linear_attention layers, which this chapter does not split over ranks; use --cp 1 for this model"),
+     "llama has linear_attention layers, which this chapter does not split over ranks; train this model with "
+     "chapter 04"),
     (["--cp", 2], transformers.LlamaConfig(rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
-     "llama's dynamic RoPE scales by the longest position a rank sees, which differs between cp ranks; use --cp 1 "
-     "for this model"),
-], ids=["sequence", "attention", "sliding-window", "soft-capping", "hybrid-layers", "dynamic-rope"])
+     "llama's dynamic RoPE scales by the longest position a rank sees, which differs between cp ranks; train "
+     "this model with chapter 04"),
+], ids=["sequence", "odd-sequence", "attention", "sliding-window", "soft-capping", "hybrid-layers",
+        "dynamic-rope"])
 def test_what_this_attention_cannot_split_is_refused_with_one_line(flags, config, message):
     """The check every rank runs before it builds the model (the launched test above shows that such a line
     reaches every rank and stops the job)."""
@@ -138,9 +142,9 @@ def test_what_this_attention_cannot_split_is_refused_with_one_line(flags, config
     assert str(stopped.value) == f"error: {message}"
 
 
-def test_a_window_longer_than_the_sequence_a_window_never_used_and_cp_1_pass_the_check():
+def test_a_window_longer_than_the_sequence_and_a_window_never_used_pass_the_check():
     script = load_script(CHAPTERS["10"] / "train_llm.py")
-    for flags, config in [(["--cp", 2, "-s", 16], MISTRAL), (["--cp", 1, "-s", 31], MISTRAL),
+    for flags, config in [(["--cp", 2, "-s", 16], MISTRAL), (["--cp", 1, "-s", 16], MISTRAL),
                           (["--cp", 2, "-s", 4096], transformers.Qwen3Config(sliding_window=16))]:
         args = script["get_parser"]().parse_args(list(map(str, flags)))
         script["check_context_parallel_fits"](args, config, 2)

@@ -35,7 +35,7 @@ CHAPTER_DIFFS = {
     ("07", "09"): (421, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
     # Context parallelism keeps chapter 04's sharding, checkpoints and export; the rows and the validation are
     # split over the dp ranks, the tokens over the cp ranks.
-    ("04", "10"): (182, {"main", "get_parser", "evaluate"}),
+    ("04", "10"): (179, {"main", "get_parser", "evaluate"}),
 }
 # chapter: (the chapter whose text these functions must be, the functions)
 BORROWED = {"06": ("04", {"save_checkpoint", "load_checkpoint", "export_hf"})}

@@ -443,10 +443,8 @@ def wandb_records(wandb_file):
             yield record
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """A running two-node practice cluster (03-job-launchers/practice-cluster); always torn down, also when a
-    test or up.sh fails. Tests that need it skip, with the reason, where it cannot run (not root, no Slurm)."""
+def practice_cluster_state_dir():
+    """A fresh state folder for practice-cluster/up.sh; skips (fails in CI) where up.sh cannot run."""
     missing = [tool for tool in SLURM_TOOLS if shutil.which(tool) is None]
     if os.geteuid() != 0 or missing:
         missing_system_tool(f"needs root and {', '.join(missing) or 'nothing'} "
@@ -454,6 +452,14 @@ def cluster():
     # NOTE: munged (user munge) must reach its socket folder, so no 0700 pytest temp dir above the state.
     state = Path(tempfile.mkdtemp(prefix="practice-cluster-"))
     state.chmod(0o755)
+    return state
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A running two-node practice cluster (03-job-launchers/practice-cluster); always torn down, also when a
+    test or up.sh fails. Tests that need it skip, with the reason, where it cannot run (not root, no Slurm)."""
+    state = practice_cluster_state_dir()
     try:
         up = subprocess.run([PRACTICE / "up.sh", state], capture_output=True, text=True, timeout=120)
         if up.returncode != 0:

@@ -61,15 +61,17 @@ for node in "${namespaces[@]}"; do kill_namespace_processes "$node" KILL; done
 stop_pids $(our_pids munged "$dir/munged.pid")
 rm -f "$dir"/slurmd-*.pid "$dir"/sshd-*.pid "$dir/slurmctld.pid" "$dir/munged.pid" "$dir/munge/munged.pid"
 
-for entry in "${created[@]}"; do
-    case $entry in
-        netns\ *) ip netns del "${entry#netns }" 2>/dev/null ;;
-    esac
-done
-for entry in "${created[@]}"; do
-    case $entry in
-        link\ *) ip link del "${entry#link }" 2>/dev/null ;;
-    esac
+# NOTE: links before namespaces: deleting a namespace frees its veth pair later, in the background, and an
+# up.sh right after would find the old veth-node0 still there.
+links=()
+for entry in "${created[@]}"; do [[ $entry == link\ * ]] && links+=("${entry#link }"); done
+for link in "${links[@]}"; do ip link del "$link" 2>/dev/null; done
+for node in "${namespaces[@]}"; do ip netns del "$node" 2>/dev/null; done
+for _ in $(seq 100); do
+    gone=1
+    for link in "${links[@]}"; do ip link show "$link" &>/dev/null && gone=0; done
+    ((gone)) && break
+    sleep 0.1
 done
 rm -f "$dir/created"
 echo "practice cluster in $dir is down"

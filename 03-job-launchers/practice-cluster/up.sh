@@ -26,7 +26,28 @@ for tool in munged slurmctld slurmd sbatch sinfo ip nsenter unshare runuser; do
     command -v "$tool" >/dev/null || fail "$tool not found; apt-get install slurmctld slurmd slurm-client munge iproute2"
 done
 [[ -e $dir/created ]] && fail "a practice cluster is already up in $dir; run $here/down.sh $dir first"
-ip link show "$bridge" &>/dev/null && fail "interface $bridge exists already (another practice cluster?); remove it first"
+
+# A cluster whose processes all died without down.sh (a killed session, a restored machine snapshot) leaves its
+# bridge and namespaces in the kernel. Remove such a leftover; refuse if anything still runs in its nodes.
+if ip link show "$bridge" &>/dev/null; then
+    owner=$(ip -o link show "$bridge" | sed -n 's/.* alias practice-cluster \(.*\)$/\1/p')
+    ip -o addr show dev "$bridge" | grep -q " $controller_addr/24 " ||
+        fail "interface $bridge exists already and is not a practice cluster's; remove it first"
+    for node in "${nodes[@]}"; do
+        [[ -n $(ip netns pids "$node" 2>/dev/null) ]] && fail "a practice cluster still runs on $bridge" \
+            "(state in ${owner:-an unknown folder}); run $here/down.sh ${owner:-STATE_DIR} first"
+    done
+    echo "removing a practice cluster left behind with nothing running (state in ${owner:-an unknown folder})" >&2
+    if [[ -n $owner && -e $owner/created ]]; then
+        "$here/down.sh" "$owner" >&2
+    else
+        for node in "${nodes[@]}"; do
+            ip link del "veth-$node" 2>/dev/null || true
+            [[ -e /run/netns/$node ]] && ip netns del "$node"
+        done
+        ip link del "$bridge"
+    fi
+fi
 for node in "${nodes[@]}"; do
     [[ -e /run/netns/$node ]] && fail "network namespace $node exists already; remove it first (ip netns del $node)"
 done
@@ -41,6 +62,7 @@ mkdir -p "$dir/ctld"
 # --- two hosts: a bridge and one namespace per node, each with a veth whose inner end is eth0 ---
 ip link add "$bridge" type bridge
 echo "link $bridge" >>"$dir/created"
+ip link set "$bridge" alias "practice-cluster $dir"   # so that a later up.sh finds a leftover's state
 ip addr add "$controller_addr/24" dev "$bridge"
 ip link set "$bridge" up
 for i in "${!nodes[@]}"; do
@@ -48,6 +70,7 @@ for i in "${!nodes[@]}"; do
     ip netns add "$node"
     echo "netns $node" >>"$dir/created"
     ip link add "veth-$node" type veth peer name eth0 netns "$node"
+    echo "link veth-$node" >>"$dir/created"
     ip link set "veth-$node" master "$bridge" up
     ip -n "$node" addr add "10.200.0.$((i + 1))/24" dev eth0
     ip -n "$node" link set eth0 up

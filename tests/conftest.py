@@ -33,6 +33,7 @@ CHAPTERS = {
     "08": ROOT / "08-pipeline-parallel",
     "09": ROOT / "09-3d-parallel",
     "10": ROOT / "10-context-parallel",
+    "11": ROOT / "11-expert-parallel",
 }
 INJECT = Path(__file__).with_name("inject.py")
 PRACTICE = CHAPTERS["03"] / "practice-cluster"
@@ -213,8 +214,8 @@ def write_tiny_model(path, seed=0, architecture="llama", **overrides):
     """A randomly initialised tiny Llama, Qwen3 (per-head q/k norms), Gemma 2 (no sdpa in transformers: eager
     attention with soft-capped scores), Gemma 3 (also norms around the MLP, a scaled embedding), Granite
     (embeddings, residuals and logits scaled outside the layers; logits x2, not Granite 3's /16, so that it
-    learns in a few steps), Mixtral (experts: one tensor each on disk, fused in the model) or GPT-NeoX (not the
-    Llama layout), with a byte tokenizer, saved like any Hub checkpoint."""
+    learns in a few steps), Mixtral (experts: one tensor each on disk, fused in the model), Qwen3-MoE or GPT-NeoX
+    (not the Llama layout), with a byte tokenizer, saved like any Hub checkpoint."""
     import torch
     import transformers
 
@@ -222,10 +223,10 @@ def write_tiny_model(path, seed=0, architecture="llama", **overrides):
     config_class = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
                     "gemma2": transformers.Gemma2Config, "mixtral": transformers.MixtralConfig,
                     "gemma3": transformers.Gemma3TextConfig, "granite": transformers.GraniteConfig,
-                    "gpt_neox": transformers.GPTNeoXConfig}[architecture]
+                    "gpt_neox": transformers.GPTNeoXConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[architecture]
     sizes = {**TINY_LLAMA, **overrides}
     # Qwen3's and Gemma's head_dim is its own setting (default 128, 256), not hidden_size / heads.
-    if architecture in ("qwen3", "gemma2", "gemma3"):
+    if architecture in ("qwen3", "gemma2", "gemma3", "qwen3_moe"):
         sizes.setdefault("head_dim", sizes["hidden_size"] // sizes["num_attention_heads"])
     if architecture == "granite":
         sizes = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 0.5,

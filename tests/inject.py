@@ -32,6 +32,9 @@ INJECT=rows           at exit, print "rank r: rows {json}": the token rows the m
                       evaluation, in order (hashes of the input_ids rows of each forward of the whole model)
 INJECT=slow-p2p       sleep 50 ms before each batch of point-to-point sends and receives of this rank (a slow
                       link or NIC, for diagnosing-errors/tools/bandwidth.py --check)
+INJECT=expert-bytes  at exit, print "rank r: expert_bytes {json}": the bytes of expert weights this rank held
+                      while an MoE layer's experts computed (the most of any layer; FSDP has gathered them then),
+                      and those of a whole layer's experts
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -271,6 +274,19 @@ elif what == "slow-p2p":
         return real_batch_isend_irecv(ops)
 
     dist.batch_isend_irecv = slow_batch_isend_irecv
+elif what == "expert-bytes":
+    held_by_layer = {"held": 0, "layer": 0}
+
+    def record_expert_bytes(module, args, output):
+        # A module's own forward hooks run after the global ones: FSDP has not yet freed the gathered weights.
+        if hasattr(module, "has_gate") and hasattr(module, "num_experts"):
+            weights = list(module.parameters())
+            held = sum((w.to_local() if isinstance(w, DTensor) else w).numel() * w.element_size() for w in weights)
+            held_by_layer["held"] = max(held_by_layer["held"], held)
+            held_by_layer["layer"] = max(held_by_layer["layer"], sum(w.numel() * w.element_size() for w in weights))
+
+    torch.nn.modules.module.register_module_forward_hook(record_expert_bytes)
+    report_at_exit(lambda: f"expert_bytes {json.dumps(held_by_layer)}")
 else:
     raise SystemExit(f"inject.py: unknown INJECT={what!r}")
 

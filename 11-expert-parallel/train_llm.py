@@ -1,0 +1,1552 @@
+"""Train a mixture-of-experts language model with expert parallelism (EP) + FSDP2.
+
+    torchrun --nproc_per_node=2 train_llm.py --ep 2       # tiny Mixtral, offline corpus, any laptop
+    torchrun --nproc_per_node=8 train_llm.py --ep 8 -m Qwen/Qwen3-30B-A3B --from-pretrained
+
+Chapter 04's script plus an expert-parallel dimension: each of the --ep ranks of a group keeps 1/ep of every
+MoE layer's experts, whole, and the tokens travel to their experts (all_to_all) instead of the experts' weights
+to every rank. Everything else, the routers included, is sharded by FSDP as in chapter 04.
+"""
+import argparse
+import ctypes
+import errno
+import functools
+import gc
+import json
+import math
+import os
+import random
+import re
+import resource
+import shutil
+import signal
+import sys
+import time
+import traceback
+import warnings
+import zlib
+from contextlib import contextmanager
+
+import datasets
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+import transformers
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from tqdm import tqdm
+from transformers.integrations.moe import ExpertsInterface
+
+
+# @record writes an uncaught exception's traceback where torchrun's failure report shows it.
+@record
+def main():
+    args = get_parser().parse_args()
+    check_args(args)
+    # Schedulers (Slurm preemption, time limits) send a signal before they kill a job, and Ctrl-C sends SIGINT:
+    # we finish the current step, save a checkpoint and exit, so a relaunch of the same command loses nothing.
+    stop_signals = stop_on_signals()
+
+    # torchrun sets these for each process. LOCAL_RANK, not rank % device_count, picks this node's GPU.
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # float32 matmuls (--dtype float32, and any outside autocast) run on TF32 tensor cores: several times
+        # faster, with a 10-bit mantissa that training tolerates. Weights and optimizer state stay float32.
+        torch.set_float32_matmul_precision("high")
+    # nccl moves CUDA tensors between GPUs, gloo CPU tensors; device_id binds nccl to our GPU at once.
+    backend = process_group_backend(device, args.cpu_offload)
+    dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+    mesh = make_device_mesh(device, world_size, args.replicate_degree)
+    # Weights and optimizer state stay fp32 (the "master" copy); only the forward/backward math runs in --dtype.
+    # Pure bf16 weights lose small updates: at lr 3e-5 most bf16 weights would never change.
+    compute_dtype = getattr(torch, args.dtype or default_compute_dtype(device))
+    torch.manual_seed(args.seed)
+
+    config, tokenizer = load_config_and_tokenizer(args)
+    check_expert_parallel_fits(args, config, world_size)
+    # The ranks as an (edp, ep) grid: the ep ranks of a row split every MoE layer's experts between them and
+    # send each other tokens; the edp ranks of a column hold the same experts, and FSDP shards those over them.
+    expert_mesh = init_device_mesh(device.type, (world_size // args.ep, args.ep), mesh_dim_names=("edp", "ep"))
+    model = build_model(args, config, device, mesh, expert_mesh, compute_dtype)
+    expert_parallel = use_expert_parallel(model, expert_mesh.get_group("ep"))
+    param_shapes = {name: list(p.shape) for name, p in model.named_parameters()}
+    flops_per_token = training_flops_per_token(model, config, args.seq_length)
+    num_params = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"model: {num_params / 1e6:.1f}M parameters, compute in {compute_dtype}")
+
+    # Rank 0 fills the datasets cache first; the others then read it instead of racing to write it.
+    loaded_on_rank_0 = []
+    run_on_rank_0(lambda: loaded_on_rank_0.append(load_and_pack(args, tokenizer)))
+    if rank != 0:
+        datasets.disable_progress_bars()
+    data, val_data = loaded_on_rank_0[0] if rank == 0 else load_and_pack(args, tokenizer)
+    # A step trains on the global batch: on each rank --grad-accum-steps micro-batches of -b rows, a backward
+    # each, their gradients added up before the optimizer step (a batch that does not fit the device at once).
+    fit_grad_accum_steps(args, world_size)
+    rows_per_rank = args.batch_size * args.grad_accum_steps
+    global_batch_size = rows_per_rank * world_size
+    tokens_per_step = global_batch_size * args.seq_length
+    data, val_data = hold_out_validation(data, val_data, global_batch_size, args)
+    check_one_batch_fits(len(data), global_batch_size, args)
+    if rank == 0:
+        print(f"global batch: {global_batch_size} sequences ({world_size} ranks x -b {args.batch_size} x "
+              f"{args.grad_accum_steps} micro-batches); {len(val_data) if val_data is not None else 'no'} "
+              "validation rows")
+    steps_per_epoch = len(data) // global_batch_size
+    # --max-steps, when given, wins over --num-epochs (as in Hugging Face's Trainer): the data order repeats.
+    total_steps = args.max_steps or steps_per_epoch * args.num_epochs
+    warn_if_mostly_warmup(args.warmup_steps, total_steps)
+
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, total_steps)
+    )
+
+    # The data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure function of
+    # (seed, epoch), so resuming needs no replay of skipped batches. loss_window holds the losses summed since
+    # the last log line, so a resumed run logs the same averages as an uninterrupted one. The checkpoint keeps
+    # fixed_flags, which a relaunch must not change: -b, --grad-accum-steps and the number of ranks may change,
+    # the global batch they make may not (it sets what a step is, and which rows are held out).
+    fixed_flags = {"-d/--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
+                   "-s/--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
+                   "--warmup-steps": args.warmup_steps, "--val-fraction": args.val_fraction,
+                   "--aux-loss-coef": args.aux_loss_coef,
+                   "the global batch (ranks x -b x --grad-accum-steps)": global_batch_size}
+    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0], "aux_loss_window": 0.0,
+             "fixed_flags": fixed_flags}
+    exp_dir = make_experiment_dir(args.save_dir, args.experiment_name)
+    checkpoint_dir = usable_checkpoint(exp_dir)
+    if checkpoint_dir is not None:
+        state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags)
+        check_resume_step(state["step"], total_steps, checkpoint_dir)
+        print(f"rank {rank}: resumed from {checkpoint_dir} at step {state['step']}")
+    metrics_path = os.path.join(exp_dir, "metrics.jsonl")
+    if rank == 0:
+        truncate_metrics(metrics_path, after_step=state["step"])
+
+    # Compile AFTER sharding: the all-gathers and reduce-scatters run in FSDP's hooks around each block.
+    if args.compile:
+        model.compile()
+    wandb_run = None
+    if args.wandb and rank == 0:
+        import wandb
+
+        # id + resume="allow": a relaunch of the same experiment continues the same wandb run.
+        wandb_run = wandb.init(project="distributed-training-guide", name=args.experiment_name,
+                               id=args.experiment_name, resume="allow", dir=exp_dir, config=vars(args))
+
+    peak_flops = peak_flops_per_second(device)
+    if rank == 0 and peak_flops is not None:
+        print(f"MFU is relative to {peak_flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of this GPU")
+    order = epoch_order(len(data), args.seed, state["epoch"])
+    eval_freq = args.eval_freq or args.ckpt_freq
+    stop = False
+    running_loss = torch.tensor(state["loss_window"][0], device=device)
+    running_aux_loss = torch.tensor(state["aux_loss_window"], device=device)
+    # The model returns its load-balancing loss only when asked for the routers' logits.
+    router_outputs = {"output_router_logits": True} if args.aux_loss_coef else {}
+    steps_since_log = state["loss_window"][1]
+    show_progress = rank == 0 and sys.stderr.isatty()
+    progress = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not show_progress)
+    last_log_time, last_log_step = time.perf_counter(), state["step"]
+    model.train()
+
+    while state["step"] < total_steps:
+        if state["samples_in_epoch"] + global_batch_size > len(data):
+            state["epoch"] += 1
+            state["samples_in_epoch"] = 0
+            order = epoch_order(len(data), args.seed, state["epoch"])
+        batch_indices = order[state["samples_in_epoch"] : state["samples_in_epoch"] + global_batch_size]
+        state["samples_in_epoch"] += global_batch_size
+        rows = data[batch_indices]
+        # The step's loss is the mean over every label token of the global batch, what one pass over it gives:
+        # each micro-batch's summed loss over that count, not its mean over K (a row with a masked prompt has
+        # fewer label tokens than a full one, and a micro-batch of such rows must weigh less). Every rank reads
+        # the whole global batch's rows, so it counts them all without an all-reduce.
+        num_label_tokens = count_label_tokens(rows)
+        # Each rank takes its slice of the global batch: N ranks at -b b see what one process sees at -b N*b.
+        rows = {key: value[rank * rows_per_rank : (rank + 1) * rows_per_rank] for key, value in rows.items()}
+        # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
+        input_ids, labels = inputs_and_labels(rows, device)
+        expert_parallel.tokens_per_expert.zero_()  # counted anew each step, read at log steps
+        # FSDP reduce-scatters each micro-batch's gradients in its backward, and the shards add them up: waiting
+        # for the last micro-batch would keep whole (unsharded) gradients on every rank, what FSDP saves.
+        for micro_input_ids, micro_labels in zip(input_ids.split(args.batch_size), labels.split(args.batch_size)):
+            # No autocast: MixedPrecisionPolicy hands each block its weights in --dtype (as torchtitan does).
+            outputs = model(input_ids=micro_input_ids, use_cache=False, **router_outputs)
+            loss = F.cross_entropy(outputs.logits.flatten(0, 1).float(), micro_labels.flatten(0, 1),
+                                   reduction="sum")
+            # x world_size: FSDP averages the ranks' gradients, and the log line averages their losses.
+            loss = loss * world_size / num_label_tokens
+            if args.aux_loss_coef:
+                # The router's load-balancing loss, over this rank's tokens as the model defines it: the mean
+                # over ranks and micro-batches of it joins the objective. The logged loss stays the LM loss.
+                aux_loss = outputs.aux_loss / args.grad_accum_steps
+                (loss + args.aux_loss_coef * aux_loss).backward()
+                running_aux_loss += aux_loss.detach()
+            else:
+                loss.backward()
+            # NOTE: nothing in a step reads a value back from the GPU (.item(), printing a tensor): the CPU queues
+            # the next step while the GPU computes this one. Losses are summed on the device until a log step.
+            running_loss += loss.detach()
+        grad_norm = clip_grad_norm(model, args.max_grad_norm)
+        optimizer.step()
+        # Read before the schedule advances, so the logged lr is the one this step used.
+        step_lr = lr_schedule.get_last_lr()[0]
+        lr_schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        state["step"] += 1
+        progress.update(1)
+
+        steps_since_log += 1
+        # The validation loss, at each checkpoint (or --eval-freq) and at the end, gets a log line of its own.
+        evaluate_now = val_data is not None and (state["step"] % eval_freq == 0 or state["step"] == total_steps)
+        if state["step"] % args.log_freq == 0 or state["step"] == total_steps or evaluate_now:
+            # NOTE: one all-reduce per log step sums the ranks' losses (their mean is the global batch's) and
+            # stop flags: a signal may reach one rank only, and all must stop after the same log step.
+            totals = torch.stack([running_loss, running_aux_loss,
+                                  torch.tensor(float(bool(stop_signals)), device=device)])
+            dist.all_reduce(totals)
+            loss_sum, aux_loss_sum, stop_votes = totals.tolist()
+            mean_loss = loss_sum / world_size / steps_since_log
+            stop = stop_votes > 0
+            elapsed = time.perf_counter() - last_log_time
+            tokens_per_s = tokens_per_step * (state["step"] - last_log_step) / elapsed
+            metrics = {"step": state["step"], "epoch": state["epoch"], "loss": mean_loss,
+                       "grad_norm": grad_norm.item(), "lr": step_lr, "tokens_per_s": tokens_per_s,
+                       "peak_memory_gb": peak_memory_gb(device)}
+            if args.aux_loss_coef:
+                metrics["aux_loss"] = aux_loss_sum / world_size / steps_since_log
+            metrics.update(expert_parallel.load_of_last_step())
+            if evaluate_now:
+                metrics["val_loss"] = evaluate(model, val_data, args, device)
+            exit_if_diverged(state["step"], mean_loss, metrics["grad_norm"])
+            if peak_flops is not None:
+                # tokens_per_s counts the tokens of all ranks, so the peak is that of all their GPUs.
+                metrics["mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
+            if rank == 0:
+                log_metrics(metrics_path, metrics, progress)
+            if wandb_run is not None:
+                wandb_run.log(metrics, step=state["step"])
+            running_loss.zero_()
+            running_aux_loss.zero_()
+            steps_since_log = 0
+            last_log_time, last_log_step = time.perf_counter(), state["step"]
+
+        if stop or state["step"] % args.ckpt_freq == 0 or state["step"] == total_steps:
+            # The window's losses are this rank's; the checkpoint keeps their mean over ranks.
+            dist.all_reduce(running_loss, op=dist.ReduceOp.AVG)
+            dist.all_reduce(running_aux_loss, op=dist.ReduceOp.AVG)
+            state["loss_window"] = [running_loss.item(), steps_since_log]
+            state["aux_loss_window"] = running_aux_loss.item()
+            exit_if_diverged(state["step"], state["loss_window"][0], grad_norm.item())
+            # Each rank holds different shards, so every rank writes its own part of the checkpoint.
+            save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
+        if stop:
+            break
+
+    progress.close()
+    if state["step"] == total_steps:
+        export_hf(os.path.join(exp_dir, "hf"), model, tokenizer)
+    if wandb_run is not None:
+        wandb_run.finish()
+    # NOTE: free the model before the process group: freed later, its gloo state is destroyed while a
+    # communication thread waits for the GIL, and the process hangs. --compile keeps a cycle only gc frees.
+    del model
+    gc.collect()
+    dist.destroy_process_group()
+    if state["step"] < total_steps:
+        sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
+
+
+def process_group_backend(device, cpu_offload):
+    """nccl moves CUDA tensors between GPUs, gloo CPU tensors."""
+    if device.type != "cuda":
+        return "gloo"
+    # NOTE: with --cpu-offload the weights and gradients are CPU tensors, and the gradient norm is all-reduced
+    # among them: nccl has no CPU path ("No backend type associated with device type cpu"), gloo takes those.
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
+
+
+def make_device_mesh(device, world_size, replicate_degree):
+    """The ranks as a grid; FSDP shards every weight over "shard". HSDP (--replicate-degree R) keeps R copies,
+    each sharded over WORLD_SIZE / R ranks (a node): all-gathers stay in a node, only gradients cross nodes."""
+    if world_size % replicate_degree:
+        sys.exit(
+            f"error: --replicate-degree {replicate_degree} does not divide the {world_size} ranks; "
+            "pass a divisor of the number of ranks, such as the number of nodes"
+        )
+    if replicate_degree == 1:
+        return init_device_mesh(device.type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(
+        device.type, (replicate_degree, world_size // replicate_degree), mesh_dim_names=("replicate", "shard")
+    )
+
+
+def check_expert_parallel_fits(args, config, world_size):
+    """Exit with one line if the ranks cannot be split as asked, or the load-balancing loss is not there."""
+    if args.aux_loss_coef is None:
+        args.aux_loss_coef = getattr(config, "router_aux_loss_coef", 0.0)
+    problem = None
+    if world_size % args.ep:
+        problem = (f"--ep {args.ep} does not divide the {world_size} ranks; pass a divisor of the number of "
+                   "ranks (an ep group is best kept inside one node: all_to_all crosses it in every layer)")
+    elif args.aux_loss_coef < 0:
+        problem = f"--aux-loss-coef {args.aux_loss_coef} is negative; pass 0 (no load-balancing loss) or more"
+    elif args.aux_loss_coef and not hasattr(config, "router_aux_loss_coef"):
+        problem = (f"{config.model_type} defines no load-balancing loss to add; pass --aux-loss-coef 0")
+    exit_if(problem)
+
+
+def expert_modules(model):
+    """Every MoE layer's experts: the modules transformers lets us swap the forward of (@use_experts_implementation
+    marks them, e.g. MixtralExperts, Qwen3MoeExperts), each holding all its layer's experts in a few tensors
+    whose first dimension is the expert."""
+    experts = [module for module in model.modules() if hasattr(module, "has_gate") and hasattr(module, "num_experts")]
+    exit_if(not experts and f"{type(model).__name__} has no experts that this chapter can split (a fused MoE such "
+            "as Mixtral, Qwen3-MoE or GPT-OSS); train this dense model with chapter 04")
+    return experts
+
+
+def num_experts(model):
+    return expert_modules(model)[0].num_experts
+
+
+def shard_experts(experts, expert_mesh, fsdp_options):
+    """Cut each expert weight by expert over the ep ranks (Shard(0): rank r keeps experts r*E/ep onwards,
+    whole), then let FSDP shard those over the edp ranks, along dim 1: dim 0 is ep's."""
+    ep_size = expert_mesh["ep"].size()
+    weights = dict(experts.named_parameters(recurse=False))
+    problem = None
+    if experts.num_experts % ep_size:
+        problem = (f"--ep {ep_size} does not divide the {experts.num_experts} experts of each layer; "
+                   "pass a divisor of the number of experts")
+    elif any(w.shape[0] != experts.num_experts for w in weights.values()) or len(weights) < len(
+            list(experts.parameters())) or getattr(experts, "has_post_expert_norm", False):
+        problem = (f"{type(experts).__name__} holds weights that are not one slice per expert, which this "
+                   "chapter does not split; train this model with chapter 04")
+    exit_if(problem)
+    for name, weight in weights.items():
+        experts.register_parameter(name, torch.nn.Parameter(distribute_tensor(weight, expert_mesh["ep"], [Shard(0)])))
+    fully_shard(experts, **{**fsdp_options, "mesh": expert_mesh["edp"]}, shard_placement_fn=lambda weight: Shard(1))
+
+
+def use_expert_parallel(model, ep_group):
+    """Every MoE layer's experts will run ExpertParallel's forward: transformers looks experts forwards up by
+    the name the model is set to, so Mixtral, Qwen3-MoE, GPT-OSS and the like take it unchanged."""
+    expert_parallel = ExpertParallel(model, ep_group)
+    ExpertsInterface.register("expert_parallel", expert_parallel)
+    model.set_experts_implementation("expert_parallel")
+    return expert_parallel
+
+
+class ExpertParallel:
+    """The experts' forward: send each of this rank's tokens to the ranks holding its top-k experts, run this
+    rank's experts on the tokens they got from every ep rank, send the results back, weight and add them.
+    No token is dropped, so the layer computes what the unsharded model computes."""
+
+    def __init__(self, model, ep_group):
+        self.ep_group = ep_group
+        self.layer_of = {experts: layer for layer, experts in enumerate(expert_modules(model))}
+        device = model.get_input_embeddings().weight.device
+        # [MoE layer, expert]: the rows (token, expert pairs) this rank routed to each expert in this step.
+        self.tokens_per_expert = torch.zeros(len(self.layer_of), num_experts(model), dtype=torch.long,
+                                             device=device)
+
+    def __call__(self, experts, hidden_states, top_k_index, top_k_weights):
+        """hidden_states: [tokens, hidden] of this rank; top_k_index, top_k_weights: [tokens, k], the router's
+        choice of experts (global numbers) and their weights, as the model computed them."""
+        ep_size = dist.get_world_size(self.ep_group)
+        experts_per_rank = experts.num_experts // ep_size
+        num_tokens, top_k = top_k_index.shape
+        # A row per (token, chosen expert), sorted by expert: the rows for ep rank r come r-th.
+        expert_of_row = top_k_index.flatten()
+        row_order = expert_of_row.argsort(stable=True)
+        rows = hidden_states[row_order // top_k]
+        rows_per_expert = torch.bincount(expert_of_row, minlength=experts.num_experts)
+        if experts.training:
+            self.tokens_per_expert[self.layer_of[experts]] += rows_per_expert
+        # First the counts, so every rank knows how many rows it gets from each rank for each of its experts.
+        received_per_expert = torch.empty_like(rows_per_expert)
+        dist.all_to_all_single(received_per_expert, rows_per_expert, group=self.ep_group)
+        # NOTE: .tolist() waits for the GPU (all_to_all takes its split sizes on the CPU): once per layer.
+        received = received_per_expert.view(ep_size, experts_per_rank)  # [source rank, local expert]
+        send_splits = rows_per_expert.view(ep_size, experts_per_rank).sum(dim=1).tolist()
+        receive_splits = received.sum(dim=1).tolist()
+        rows = AllToAll.apply(rows, send_splits, receive_splits, self.ep_group)
+        # They arrive grouped by source rank, then by expert: regrouped by expert, each expert runs once.
+        pieces = torch.arange(len(rows), device=rows.device).split(received.flatten().tolist())
+        by_expert = torch.cat([pieces[source * experts_per_rank + expert]
+                               for expert in range(experts_per_rank) for source in range(ep_size)])
+        outputs = run_local_experts(experts, rows[by_expert], received.sum(dim=0).tolist(), ep_size)
+        # The way back: the same splits, swapped, then this rank's rows in their original order.
+        outputs = AllToAll.apply(outputs[by_expert.argsort()], receive_splits, send_splits, self.ep_group)
+        outputs = outputs[row_order.argsort()] * top_k_weights.reshape(-1, 1)
+        return outputs.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+    def load_of_last_step(self):
+        """The last step's rows per expert over all ranks (summed over the MoE layers), and the busiest expert's
+        load relative to a perfect balance, in the worst layer: 1.0 is balanced, ep ranks wait on the busiest."""
+        counts = self.tokens_per_expert.clone()
+        dist.all_reduce(counts)
+        balanced = counts.sum(dim=1, keepdim=True) / counts.shape[1]
+        return {"tokens_per_expert": counts.sum(dim=0).tolist(),
+                "max_expert_load": (counts / balanced).max().item()}
+
+
+class AllToAll(torch.autograd.Function):
+    """all_to_all_single with uneven splits, differentiably: each gradient row goes back to the rank its row
+    came from, the same exchange with the splits swapped."""
+
+    @staticmethod
+    def forward(ctx, rows, send_splits, receive_splits, group):
+        ctx.splits, ctx.group = (send_splits, receive_splits), group
+        received = rows.new_empty((sum(receive_splits), *rows.shape[1:]))
+        dist.all_to_all_single(received, rows.contiguous(), receive_splits, send_splits, group=group)
+        return received
+
+    @staticmethod
+    def backward(ctx, grad_received):
+        send_splits, receive_splits = ctx.splits
+        grad_rows = grad_received.new_empty((sum(send_splits), *grad_received.shape[1:]))
+        dist.all_to_all_single(grad_rows, grad_received.contiguous(), send_splits, receive_splits, group=ctx.group)
+        return grad_rows, None, None, None
+
+
+def run_local_experts(experts, rows, rows_per_expert, ep_size):
+    """This rank's experts, each on its rows (rows_per_expert[i] rows for local expert i, in order)."""
+    # FSDP has all-gathered this rank's experts over edp; to_local() is this rank's [experts / ep, ...] slice.
+    # NOTE: an expert's gradient sums the rows of all ep ranks, and FSDP averages it over the edp ranks only:
+    # / ep makes it the average over all ranks that every other gradient is (else ep times too large).
+    weights = {name: ScaleGradient.apply(weight.to_local(), 1 / ep_size)
+               for name, weight in experts.named_parameters()}
+    # Every expert runs, on no rows too: each weight then has a gradient, and FSDP reduce-scatters them all.
+    return torch.cat([expert_mlp(experts, expert_rows, {name: weight[expert] for name, weight in weights.items()})
+                      for expert, expert_rows in enumerate(rows.split(rows_per_expert))])
+
+
+def expert_mlp(experts, rows, weights):
+    """One expert, as transformers computes it (integrations/moe.py): up (or gate and up), activation, down,
+    in the layout and with the biases the experts class declares."""
+    def linear(inputs, name):
+        weight = weights[f"{name}_proj"]
+        outputs = inputs @ weight if experts.is_transposed else F.linear(inputs, weight)
+        return outputs + weights[f"{name}_proj_bias"] if experts.has_bias else outputs
+
+    if experts.has_gate:
+        return linear(experts._apply_gate(linear(rows, "gate_up")), "down")
+    return linear(experts.act_fn(linear(rows, "up")), "down")
+
+
+class ScaleGradient(torch.autograd.Function):
+    """The identity, whose gradient is scaled by a factor."""
+
+    @staticmethod
+    def forward(ctx, tensor, factor):
+        ctx.factor = factor
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def clip_grad_norm(model, max_norm):
+    """torch.nn.utils.clip_grad_norm_ for weights on two meshes (torch adds up DTensors on one mesh only). The
+    experts' pieces never repeat (an (edp, ep) grid of them): their squares add up over all ranks."""
+    expert_weights = [weight for experts in expert_modules(model) for weight in experts.parameters()]
+    other_weights = [weight for weight in model.parameters() if all(weight is not w for w in expert_weights)]
+    experts_squared = torch.nn.utils.get_total_norm([weight.grad.to_local() for weight in expert_weights]) ** 2
+    dist.all_reduce(experts_squared)
+    others_squared = torch.nn.utils.get_total_norm([weight.grad for weight in other_weights]).full_tensor() ** 2
+    total_norm = (experts_squared + others_squared).sqrt()
+    for weights in (expert_weights, other_weights):
+        torch.nn.utils.clip_grads_with_norm_(weights, max_norm, total_norm)
+    return total_norm
+
+
+def build_model(args, config, device, mesh, expert_mesh, compute_dtype):
+    # On the meta device tensors have shapes but no storage: building even a 70B model here allocates nothing.
+    # Each rank allocates only its own shards, after sharding.
+    with exit_on_build_error(args), torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation=args.attn_implementation
+        )
+    shard_model(model, mesh, expert_mesh, compute_dtype, args.cpu_offload, device)
+    # to_empty gives each rank uninitialised storage for its shards and buffers (in CPU memory with --cpu-offload).
+    model.to_empty(device="cpu" if args.cpu_offload else device)
+    initialize_weights(model, mesh, args.seed)
+    if args.cpu_offload:
+        # Offloading keeps parameters in CPU memory between uses, and buffers there for good: RoPE's inv_freq
+        # would be copied to the GPU in every forward, and a buffer such as Gemma's embed_scale meet GPU tensors.
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
+    if args.from_pretrained:
+        load_pretrained_weights(model, args.model_name)
+    return model
+
+
+def shard_model(model, mesh, expert_mesh, compute_dtype, cpu_offload, device):
+    """fully_shard each transformer block, the embedding and the output head, then the root: one group per call,
+    all-gathered just before it runs, freed just after, its gradients reduce-scattered as soon as complete."""
+    # The fp32 shards are the master weights. param_dtype=bf16 casts them before the all-gather (half the bytes
+    # to send, compute in bf16); reduce_dtype=fp32 sums gradients in fp32 so small ones are not lost.
+    fsdp_options = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32),
+        # Pinned (page-locked) CPU memory speeds up copies to the GPU; without CUDA it cannot be allocated.
+        offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy(),
+    )
+    # The experts first: each block's group then takes the weights no expert group holds.
+    for experts in expert_modules(model):
+        shard_experts(experts, expert_mesh, fsdp_options)
+    for block in transformer_blocks(model):
+        fully_shard(block, **fsdp_options)
+    # The embedding and the head (0.5B parameters apiece in Llama 3 8B) as groups of their own are freed after
+    # use, not held all step by the root. Backward needs the head again at once: it stays gathered after forward.
+    # A tied pair is one weight, which must stay in one group: the root's.
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        fully_shard(model.get_input_embeddings(), **fsdp_options)
+        fully_shard(model.get_output_embeddings(), **fsdp_options, reshard_after_forward=False)
+    # The root's group takes every weight no other group holds: the final norm, and a tied embedding.
+    fully_shard(model, **fsdp_options)
+
+
+def transformer_blocks(model):
+    """The repeated layers, found by the class names Hugging Face never splits across devices
+    (`_no_split_modules`: LlamaDecoderLayer, Qwen2DecoderLayer, MistralDecoderLayer, ...)."""
+    block_classes = set(getattr(model, "_no_split_modules", None) or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in block_classes]
+    if not blocks:
+        sys.exit(
+            f"error: cannot find the transformer blocks of {type(model).__name__} to shard (its "
+            "_no_split_modules names none); use a decoder model such as Llama, Qwen, Mistral or Gemma"
+        )
+    return blocks
+
+
+def initialize_weights(model, mesh, seed):
+    """Fill this rank's shards as from_config fills a whole model: Hugging Face's init (the distributions of
+    chapter 01, e.g. normal(0, 0.02) weights and ones in the norms), and the buffers that no checkpoint holds."""
+    # NOTE: RoPE's inv_freq is a non-persistent buffer: in no state dict, and garbage after to_empty. Training
+    # would run without error, but wrong. HF's init recomputes it from the config.
+    # On CPU each rank draws from its own generator (on CUDA, DTensor offsets one shared stream): seeding it by
+    # shard index makes the shards differ and HSDP replicas agree.
+    torch.default_generator.manual_seed(seed + mesh.get_local_rank("shard"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        model.initialize_weights()
+    # Back to one random stream on every rank, as in chapter 02, so rank 0's saved RNG state is every rank's.
+    torch.manual_seed(seed)
+    # HF zeroes the padding row through weight[padding_idx], a temporary copy of a sharded weight: zero it in
+    # the shard that holds it (fully_shard splits dim 0 like torch.chunk).
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
+            local_rows = module.weight.to_local()
+            first_row = mesh.get_local_rank("shard") * math.ceil(module.num_embeddings / mesh["shard"].size())
+            if 0 <= module.padding_idx - first_row < local_rows.shape[0]:
+                with torch.no_grad():
+                    local_rows[module.padding_idx - first_row].zero_()
+
+
+def load_pretrained_weights(model, model_name):
+    """Rank 0 reads the checkpoint into CPU memory; the others get their shards from it, tensor by tensor."""
+    full_state_dict = {}
+
+    def read_on_rank_0():
+        with exit_on_error(f"cannot load the weights of {model_name!r}",
+                           "pass a model whose weights are there, or leave out --from-pretrained",
+                           (ImportError, ValueError, OSError)):
+            full_state_dict.update(
+                transformers.AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32).state_dict()
+            )
+
+    # run_on_rank_0: if rank 0 cannot read them, every rank exits with its line, not in the broadcast below.
+    run_on_rank_0(read_on_rank_0)
+    # Rank 0 holds one full fp32 copy (4 bytes per parameter) in CPU memory until this returns.
+    set_model_state_dict(
+        model, full_state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
+
+
+def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
+    with checkpoint_folder(exp_dir, state, param_shapes) as folder:
+        # get_state_dict names shards by parameter name and offsets: a checkpoint of N ranks loads into any number.
+        # dcp.save writes a file per rank, then rank 0 the index (.metadata); every node must see the folder.
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
+        # The data order has its own generator; the RNG states cover anything random in the model (dropout).
+        training_state = {"lr_schedule": lr_schedule.state_dict(), "rng": rng_state()}
+        run_on_rank_0(lambda: torch_save(training_state, os.path.join(folder, "checkpoint.pt")))
+
+
+def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags):
+    state = read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, "sharded (DCP)")
+    checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
+    # dcp.load fills these tensors in place, each rank reading its own shards. The optimizer's state goes through
+    # get_state_dict/set_state_dict: optimizer.state_dict() of a fresh optimizer has no tensors to fill.
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    sharded_state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(sharded_state, checkpoint_id=checkpoint_dir)
+    set_state_dict(
+        model, optimizer, model_state_dict=sharded_state["model"], optim_state_dict=sharded_state["optimizer"]
+    )
+    lr_schedule.load_state_dict(checkpoint["lr_schedule"])
+    set_rng_state(checkpoint["rng"])
+    return state
+
+
+def rng_state():
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda_state}
+
+
+def set_rng_state(saved):
+    torch.set_rng_state(saved["cpu"])
+    if torch.cuda.is_available() and saved["cuda"] is not None:
+        torch.cuda.set_rng_state(saved["cuda"])
+
+
+def export_hf(hf_dir, model, tokenizer):
+    """Write the trained model in Hugging Face format: AutoModelForCausalLM.from_pretrained(hf_dir) loads it."""
+    # Rank 0 gathers the full weights into CPU memory one tensor at a time and holds them until they are written.
+    full_state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return
+    # A tied matrix (one parameter under two names) comes back as two copies. Pointing both names at one
+    # copy lets HF see the tie and save the matrix once, as chapter 01 does.
+    first_copy = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        full_state[name] = first_copy.setdefault(param, full_state[name])
+    model.save_pretrained(hf_dir, state_dict=full_state)
+    tokenizer.save_pretrained(hf_dir)
+    print(f"saved the trained model to {hf_dir}")
+
+
+@torch.no_grad()
+def evaluate(model, val_data, args, device):
+    """The mean loss over every label token of the validation rows, in eval mode (no dropout): each rank
+    computes its slice of the rows, one all-reduce sums the slices' losses."""
+    model.eval()
+    rows_per_rank = len(val_data) // dist.get_world_size()
+    first_row = dist.get_rank() * rows_per_rank
+    loss_sum = torch.zeros((), device=device)
+    for start in range(first_row, first_row + rows_per_rank, args.batch_size):
+        input_ids, labels = inputs_and_labels(val_data[start : start + args.batch_size], device)
+        logits = model(input_ids=input_ids, use_cache=False).logits
+        loss_sum += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+    dist.all_reduce(loss_sum)
+    model.train()
+    return loss_sum.item() / count_label_tokens(val_data[:])
+
+
+def get_parser():
+    parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-m", "--model-name", type=hub_model_or_path, default=None,
+                        help="Hugging Face model id or local folder (default: a tiny Mixtral built offline)")
+    parser.add_argument("--from-pretrained", action="store_true",
+                        help="load the weights of -m (default: fresh weights from -m's config)")
+    parser.add_argument("-d", "--dataset-name", type=hub_dataset_or_path, default=None,
+                        help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
+                             "with a 'text' column (default: an offline synthetic corpus)")
+    parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
+    parser.add_argument("-b", "--batch-size", type=positive_int, default=8,
+                        help="sequences per micro-batch on this device")
+    parser.add_argument("--grad-accum-steps", type=positive_int, default=1,
+                        help="micro-batches per optimizer step, their gradients added up first")
+    parser.add_argument("--global-batch-size", type=positive_int, default=None,
+                        help="sequences per optimizer step over all ranks: sets --grad-accum-steps to make it")
+    parser.add_argument("-s", "--seq-length", type=positive_int, default=128, help="tokens per sequence")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=20)
+    parser.add_argument("--max-steps", type=positive_int, default=None,
+                        help="train this many steps, over as many epochs as that takes (default: --num-epochs)")
+    parser.add_argument("--num-epochs", type=positive_int, default=1)
+    parser.add_argument("--max-grad-norm", type=positive_float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="compute dtype (default: bfloat16 on GPUs that have it, else float32); "
+                             "weights stay float32")
+    parser.add_argument("--attn-implementation", default=None,
+                        help="sdpa, eager or flash_attention_2 (default: sdpa, or eager if the model lacks it)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--cpu-offload", action="store_true",
+                        help="keep the sharded weights, gradients and optimizer state in CPU memory")
+    parser.add_argument("--replicate-degree", type=positive_int, default=1,
+                        help="HSDP: shard within groups of WORLD_SIZE/R ranks (a node, say), replicate across R")
+    parser.add_argument("--ep", type=positive_int, default=1,
+                        help="expert parallelism: split each MoE layer's experts over this many ranks")
+    parser.add_argument("--aux-loss-coef", type=float, default=None,
+                        help="weight of the routers' load-balancing loss (default: the model config's "
+                             "router_aux_loss_coef; 0: none)")
+    parser.add_argument("-e", "--experiment-name", default="default",
+                        help="name of the run; relaunching the same name resumes it")
+    parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")
+    parser.add_argument("--ckpt-freq", type=positive_int, default=100,
+                        help="save a checkpoint every this many steps")
+    parser.add_argument("--log-freq", type=positive_int, default=10, help="log metrics every this many steps")
+    parser.add_argument("--val-fraction", type=fraction, default=0.01,
+                        help="rows held out for validation if the dataset has no validation split (0: none)")
+    parser.add_argument("--eval-freq", type=positive_int, default=None,
+                        help="validation loss every this many steps and at the end (default: at each checkpoint)")
+    parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
+    return parser
+
+
+def default_compute_dtype(device):
+    # Not emulated: a GPU older than Ampere has no bf16 tensor cores, and emulated bf16 is slower than fp32.
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    return "float32"
+
+
+def load_config_and_tokenizer(args):
+    """-m's config and tokenizer, or the tiny Mixtral's with a byte tokenizer (nothing to download)."""
+    if args.model_name is None:
+        config, tokenizer = tiny_moe_config(), transformers.ByT5Tokenizer(extra_ids=0)
+    else:
+        with exit_on_error(f"cannot load model {args.model_name!r}",
+                           "pass a Hugging Face model id or a local folder with config.json and a tokenizer"):
+            config = transformers.AutoConfig.from_pretrained(args.model_name)
+            tokenizer = transformers.AutoTokenizer.from_pretrained(args.model_name)
+    check_model_fits_tokenizer(args, config, tokenizer)
+    return config, tokenizer
+
+
+def tiny_moe_config():
+    # vocab 272 = ByT5's 259 byte tokens rounded up so it divides by 2, 4, 8, 16 (tensor parallel shards).
+    # 8 experts of which each token takes 2, as Mixtral 8x7B; they divide over --ep 1, 2, 4 and 8.
+    return transformers.MixtralConfig(
+        vocab_size=272, hidden_size=128, intermediate_size=192, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024,
+        bos_token_id=None, eos_token_id=1, pad_token_id=0,
+    )
+
+
+DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_and_pack(args, tokenizer):
+    """The training rows and the validation rows (None if the dataset has no validation split): every document
+    tokenized, documents joined with EOS between them, the token stream cut into rows of seq_length + 1 tokens.
+    A dataset with a 'prompt' column trains on each 'text' after its prompt: the prompt's tokens get label
+    -100 (a 'labels' column beside 'input_ids'), so they are read, never predicted. datasets caches the rows."""
+    if args.dataset_name is None:
+        splits = [datasets.Dataset.from_dict({"text": tiny_corpus()}), None]
+    else:
+        splits = load_raw_dataset(args.dataset_name, args.dataset_subset)
+    check_text_column(splits[0], args.dataset_name)
+    row_length = args.seq_length + 1
+    eos = tokenizer.eos_token_id
+
+    def tokenize_and_pack(batch):
+        has_prompt = "prompt" in batch
+        kept = [index for index, text in enumerate(batch["text"]) if text]
+        # (with a prompt, the special tokens a tokenizer adds, such as BOS, go before the prompt)
+        texts = tokenizer([batch["text"][i] for i in kept], add_special_tokens=not has_prompt)["input_ids"] \
+            if kept else []
+        prompts = tokenizer([batch["prompt"][i] or "" for i in kept])["input_ids"] if has_prompt and kept \
+            else [[] for _ in kept]
+        stream, labels = [], []
+        for prompt_ids, ids in zip(prompts, texts):
+            if eos is not None and (not ids or ids[-1] != eos):
+                ids = ids + [eos]
+            stream += prompt_ids + ids
+            labels += [-100] * len(prompt_ids) + ids
+        rows = {"input_ids": stream, "labels": labels} if has_prompt else {"input_ids": stream}
+        num_rows = len(stream) // row_length
+        return {key: [tokens[i * row_length : (i + 1) * row_length] for i in range(num_rows)]
+                for key, tokens in rows.items()}
+
+    packed = [None if raw is None else raw.map(
+        tokenize_and_pack, batched=True, batch_size=1000, remove_columns=raw.column_names,
+        desc=f"tokenize and pack into rows of {row_length}",
+    ).with_format("numpy") for raw in splits]
+    check_some_text(packed[0], splits[0], args.dataset_name)
+    return packed
+
+
+def load_raw_dataset(name, subset):
+    """A Hub dataset's train and validation splits, or a local .txt/.json/.jsonl/.parquet/.csv file or folder
+    (a train split only, but for a folder's validation files)."""
+    if os.path.isfile(name):
+        check_data_file(name)
+    with exit_on_error(f"cannot load dataset {name!r}", "pass a Hugging Face dataset id (and --dataset-subset if "
+                       "it has several), or a local file or folder"):
+        if os.path.isfile(name):
+            builder = DATA_FILE_BUILDERS[os.path.splitext(name)[1]]
+            return [datasets.load_dataset(builder, data_files=name, split="train"), None]
+        train = datasets.load_dataset(name, subset, split="train")
+    try:
+        return [train, datasets.load_dataset(name, subset, split="validation")]
+    except ValueError:  # (datasets' answer for a split the dataset does not have)
+        return [train, None]
+
+
+def hold_out_validation(data, val_data, global_batch_size, args):
+    """The training rows and the validation rows, as whole global batches. Without a validation split,
+    --val-fraction of the rows (at least one global batch) are drawn by --seed and held out: the same rows in
+    every chapter and on any number of ranks at the same global batch, and never trained on."""
+    if val_data is None and args.val_fraction > 0:
+        num_val = min(len(data), math.ceil(args.val_fraction * len(data) / global_batch_size) * global_batch_size)
+        held_out = np.random.default_rng([args.seed, len(data)]).permutation(len(data))
+        val_data = data.select(np.sort(held_out[:num_val]))
+        data = data.select(np.sort(held_out[num_val:]))
+    if val_data is not None:
+        val_data = val_data.select(range(len(val_data) // global_batch_size * global_batch_size))
+    return data, val_data if val_data is not None and len(val_data) else None
+
+
+def inputs_and_labels(rows, device):
+    """A batch's model inputs and next-token labels, row[:-1] and row[1:]: every token is a label but a
+    prompt's, which is -100 (ignored by cross_entropy)."""
+    input_ids = to_device(rows["input_ids"], device)
+    labels = to_device(rows["labels"], device) if "labels" in rows else input_ids
+    # NOTE: copies, not views: torch 2.11's pipeline stages (chapter 08) reject a view's strides.
+    return input_ids[:, :-1].contiguous(), labels[:, 1:].contiguous()
+
+
+def count_label_tokens(rows):
+    """The number of tokens that rows have a label for (not -100), counted on the CPU: no GPU sync."""
+    if "labels" in rows:
+        return int((rows["labels"][:, 1:] != -100).sum())
+    return rows["input_ids"][:, 1:].size
+
+
+def tiny_corpus(num_documents=4000, seed=1234):
+    """Short stories with structure a tiny model can learn in a minute: templates, names and sums."""
+    rng = random.Random(seed)
+    names = ["Ada", "Ben", "Cleo", "Dev", "Eva", "Finn", "Gia", "Hugo", "Ines", "Jon", "Kai", "Lena"]
+    things = ["apples", "books", "coins", "shells", "stamps", "marbles", "pencils", "cards"]
+    documents = []
+    for _ in range(num_documents):
+        giver, taker = rng.sample(names, 2)
+        thing = rng.choice(things)
+        had, given = rng.randint(1, 20), rng.randint(1, 20)
+        documents.append(
+            f"{taker} has {had} {thing}. {giver} gives {taker} {given} more {thing}. "
+            f"Now {taker} has {had + given} {thing}."
+        )
+    return documents
+
+
+def training_flops_per_token(model, config, seq_length):
+    """6 FLOPs per matmul weight per token (2 forward, 4 backward), plus the attention scores
+    (12 * layers * hidden * seq_length, PaLM appendix B). Every weight is a matmul weight except the input
+    embedding (a lookup); a tied output head is that same tensor used again, as a matmul. A token passes
+    through top-k of a layer's experts: only that fraction of the experts' weights works on it."""
+    embedding = model.get_input_embeddings().weight
+    expert_weights = {id(p): p for experts in expert_modules(model) for p in experts.parameters()}
+    num_matmul_params = sum(p.numel() for p in model.parameters() if p is not embedding and id(p) not in expert_weights)
+    num_expert_params = sum(p.numel() for p in expert_weights.values())
+    num_matmul_params += num_expert_params * config.num_experts_per_tok // num_experts(model)
+    if model.get_output_embeddings().weight is embedding:
+        num_matmul_params += embedding.numel()
+    return 6 * num_matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_length
+
+
+# Dense bf16 tensor-core peaks from the datasheets (without sparsity). The first name found in the GPU's name
+# wins, so the longer names come first ("GH200" also contains "H200", "GB200" "B200").
+PEAK_BF16_FLOPS = [
+    ("GH200", 989e12), ("GB200", 2500e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12), ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12),
+    ("A10G", 70e12),
+]
+
+
+def peak_flops_per_second(device):
+    """The GPU's dense bf16 peak, or None (CPU, or a GPU not in the table: no MFU rather than a guess)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
+    """Multiplier of the peak learning rate: linear warmup, then one cosine down to final_fraction at the end."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def truncate_metrics(path, after_step):
+    """After a resume, drop the lines that the interrupted run logged past its last checkpoint."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
+
+
+def epoch_order(num_rows, seed, epoch):
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+def to_device(rows, device):
+    batch = torch.from_numpy(rows)
+    # Only a copy from pinned (page-locked) memory overlaps the GPU's work: from ordinary memory it blocks the CPU.
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
+
+
+def peak_memory_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    # On CPU the process's peak resident memory is the honest number (ru_maxrss: KiB on Linux, bytes on macOS).
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+
+
+def log_metrics(path, metrics, progress):
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+    progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
+    progress.write(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
+
+
+# ============================================================================================================
+# The plumbing, the same in every chapter (checks, one-line errors, signals, safe checkpoints, exit): skip it.
+
+
+# --- Arguments and inputs: what argparse and the libraries would report late, or in a traceback ---
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, with a mistake as one line (no usage block): under torchrun each rank prints it once, and
+    report_exit puts it in torchrun's failure summary, where argparse's exit 2 leaves nothing."""
+
+    def error(self, message):
+        sys.exit(f"error: {message} (--help lists the flags)")
+
+
+def check_args(args):
+    """What argparse cannot check alone: how the script was launched, flags that need each other, the torch
+    version."""
+    if "LOCAL_RANK" not in os.environ:
+        sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
+    warn_if_torch_is_older_than_tested()
+    if args.from_pretrained and args.model_name is None:
+        sys.exit("error: --from-pretrained needs -m/--model-name (the default tiny model has no weights)")
+    check_save_dir(args.save_dir, args.experiment_name)
+
+
+def check_save_dir(save_dir, experiment_name):
+    """The experiment's folder must be writable, or creatable: tried with a file that has no name (O_TMPFILE,
+    gone when closed) in the folder, or in the nearest folder above it that exists, so that a run that fails
+    its checks leaves nothing behind (make_experiment_dir creates the folder after them)."""
+    import tempfile
+
+    existing = os.path.abspath(os.path.join(save_dir, experiment_name))
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as error:
+        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative")
+    return value
+
+
+def fraction(text):
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction from 0 to below 1")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def hub_model_or_path(name):
+    return hub_id_or_path(name, "model")
+
+
+def hub_dataset_or_path(name):
+    return hub_id_or_path(name, "dataset")
+
+
+def hub_id_or_path(name, kind):
+    """A local path, or the id of a Hub model or dataset that can be fetched: a mistyped path must fail here,
+    not on the Hub after a minute of retries. A name that can only be a path (it starts with / . or ~, names
+    a data file, or has more folders than a Hub id's owner/name) must exist; any other missing folder is
+    asked for on the Hub, unless it is in the Hugging Face cache or the libraries are offline (they then fail
+    at once themselves)."""
+    import urllib.parse  # the band imports what only it uses where it uses it
+
+    path = os.path.expanduser(name)
+    if os.path.exists(path):
+        return path
+    if name.startswith(("/", ".", "~")) or os.path.splitext(name)[1] in DATA_FILE_BUILDERS or name.count("/") > 1:
+        raise argparse.ArgumentTypeError(f"no such file or folder: {name!r}")
+    offline_flags = ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"]
+    if any(os.environ.get(flag, "").upper() in ("1", "ON", "YES", "TRUE") for flag in offline_flags):
+        return name
+    if in_hub_cache(name, kind):
+        return name
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
+    token = hub_token()
+    status = hub_status(f"{endpoint}/api/{kind}s/{urllib.parse.quote(name, safe='/')}", token)
+    if status is None:
+        raise argparse.ArgumentTypeError(
+            f"no local folder {name!r}, and the Hub ({endpoint}) does not answer to look for a {kind} of that "
+            "name; pass the path of a folder that exists, or connect to the Hub (HF_HUB_OFFLINE=1 uses the cache)"
+        )
+    # Without a token the Hub answers 401 for a repository it does not have (and for a private one), with one
+    # it answers 404.
+    if status == 404 or (status == 401 and token is None):
+        private = "" if token else " (if it is private, log in first: hf auth login)"
+        raise argparse.ArgumentTypeError(
+            f"no local folder {name!r}, and no {kind} {name!r} on the Hub{private}; pass the path of a folder "
+            f"that exists or the id of a Hub {kind}"
+        )
+    return name  # 200, or any other answer: the libraries ask again and report it themselves
+
+
+def hf_home():
+    return os.path.expanduser(os.path.expandvars(os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")))
+
+
+def in_hub_cache(name, kind):
+    """Whether the Hugging Face cache holds the model or dataset: the hub's download cache, or for a dataset
+    also the datasets library's own (whose folder for owner/SomeName is owner___some_name)."""
+    hub_cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(
+        hf_home(), "hub")
+    if os.path.isdir(os.path.expanduser(os.path.join(hub_cache, f"{kind}s--{name.replace('/', '--')}"))):
+        return True
+    datasets_cache = os.path.expanduser(os.environ.get("HF_DATASETS_CACHE") or os.path.join(hf_home(), "datasets"))
+    if kind != "dataset" or not os.path.isdir(datasets_cache):
+        return False
+    folders = {re.sub(r"[^a-z0-9]", "", folder.lower()) for folder in os.listdir(datasets_cache)}
+    return re.sub(r"[^a-z0-9]", "", name.lower()) in folders
+
+
+def hub_token():
+    """The token the libraries would send (HF_TOKEN, or the file that `hf auth login` writes), or None."""
+    if os.environ.get("HF_TOKEN"):
+        return os.environ["HF_TOKEN"]
+    path = os.path.expanduser(os.environ.get("HF_TOKEN_PATH") or os.path.join(hf_home(), "token"))
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def hub_status(url, token, timeout=5):
+    """The HTTP status the Hub answers for url; None if it cannot be reached (no network, no such host, a
+    refused connection) or gives no answer within timeout seconds; 0 for any other failure (a TLS or proxy
+    problem is the libraries' to report). A thread, because urllib's timeout does not cover the name lookup,
+    which can hang without a network."""
+    import socket
+    import threading
+    import urllib.error
+    import urllib.request
+
+    answer = []
+
+    def ask():
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                answer.append(response.status)
+        except urllib.error.HTTPError as error:
+            answer.append(error.code)
+        except urllib.error.URLError as error:
+            unreachable = isinstance(error.reason, (socket.gaierror, ConnectionError, TimeoutError)) or getattr(
+                error.reason, "errno", None) in (errno.ENETUNREACH, errno.EHOSTUNREACH)
+            answer.append(None if unreachable else 0)
+        except TimeoutError:
+            answer.append(None)
+        except Exception:  # a malformed HF_ENDPOINT, a broken answer: not ours to judge
+            answer.append(0)
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return answer[0] if answer else None
+
+
+# The oldest and the newest torch release that CI trains every chapter on (.ci/run).
+TESTED_TORCH = ("2.11", "2.15")
+
+
+def warn_if_torch_is_older_than_tested():
+    # Rank 0 alone: under torchrun every rank would print the same line.
+    if torch.__version__ < TESTED_TORCH[0] and os.environ.get("RANK", "0") == "0":
+        print(
+            f"warning: torch {torch.__version__} is older than the releases these scripts are tested on "
+            f"({TESTED_TORCH[0]} to {TESTED_TORCH[1]}); if a step fails, install torch {TESTED_TORCH[0]} or newer",
+            file=sys.stderr,
+        )
+
+
+def make_experiment_dir(save_dir, experiment_name):
+    exp_dir = os.path.join(save_dir, experiment_name)
+    try:
+        os.makedirs(exp_dir, exist_ok=True)
+        probe = os.path.join(exp_dir, f".write-test-{os.getpid()}")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
+    return exp_dir
+
+
+@contextmanager
+def exit_on_error(what, fix, errors=(Exception,)):
+    """An error in the block becomes one line: what failed, the library's reason, and what to do."""
+    try:
+        yield
+    except errors as error:
+        sys.exit(f"error: {what} ({one_line(error)}); {fix}")
+
+
+def exit_on_build_error(args):
+    fix = ("pass a model whose files are there (its weights, with --from-pretrained) and an "
+           "--attn-implementation it supports")
+    return exit_on_error(f"cannot build model {args.model_name or 'tiny-llama'!r}", fix,
+                         (ImportError, ValueError, OSError))
+
+
+def one_line(error):
+    """The error's message as one line: some libraries spread it over several, with the cause on the last."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def exit_if(problem):
+    """A check above the rule names its problem (None when there is none); this makes it the one-line exit."""
+    if problem:
+        sys.exit(f"error: {problem}")
+
+
+def check_model_fits_tokenizer(args, config, tokenizer):
+    # NOTE: a token id past the embedding fails deep in the forward on CPU, and as a device-side assert on CUDA.
+    vocab_size = getattr(config, "vocab_size", None)
+    if vocab_size is not None and len(tokenizer) > vocab_size:
+        sys.exit(
+            f"error: the tokenizer of {args.model_name!r} has {len(tokenizer)} tokens, more than the model's "
+            f"{vocab_size} embeddings; pass a model whose tokenizer and config.json belong together"
+        )
+    max_positions = getattr(config, "max_position_embeddings", None)
+    if max_positions is not None and args.seq_length > max_positions:
+        sys.exit(
+            f"error: -s/--seq-length {args.seq_length} is longer than {args.model_name or 'the tiny model'}'s "
+            f"{max_positions} positions; pass -s {max_positions} or less"
+        )
+
+
+def check_data_file(path):
+    """Name what is wrong with a local data file before datasets gives a generic error about it."""
+    extension = os.path.splitext(path)[1]
+    if extension not in DATA_FILE_BUILDERS:
+        sys.exit(f"error: cannot read {path!r}: use a {', '.join(DATA_FILE_BUILDERS)} file or a folder of them")
+    if os.path.getsize(path) == 0:
+        sys.exit(f"error: {path!r} is empty")
+    if extension != ".parquet":
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+        try:
+            # The last 3 bytes may be a multi-byte character cut in two by the read.
+            (head if len(head) < 1 << 16 else head[:-3]).decode("utf-8")
+        except UnicodeDecodeError:
+            sys.exit(f"error: {path!r} is not a text file (not UTF-8); pass a {extension} file of text")
+        if b"\0" in head:
+            sys.exit(f"error: {path!r} is not a text file (it holds NUL bytes); pass a {extension} file of text")
+
+
+def check_text_column(raw, name):
+    if "text" not in raw.column_names:
+        sys.exit(f"error: dataset {name!r} has no 'text' column (it has {raw.column_names})")
+
+
+def check_some_text(packed, raw, name):
+    if len(packed) == 0 and not any(raw["text"]):
+        sys.exit(f"error: dataset {name!r} has no text: its 'text' column is empty in all rows")
+
+
+def check_one_batch_fits(num_rows, global_batch_size, args):
+    """The training rows (after the validation rows are held out) must make at least one global batch."""
+    if num_rows < global_batch_size:
+        parts = global_batch_size // args.batch_size
+        split = f" ({parts} ranks and micro-batches of -b {args.batch_size})" if parts > 1 else ""
+        sys.exit(
+            f"error: the dataset gives {num_rows} training sequences of {args.seq_length + 1} tokens, fewer than "
+            f"one batch of {global_batch_size}{split}; use a smaller -b/--batch-size, --grad-accum-steps or "
+            "-s/--seq-length, or more data"
+        )
+
+
+def fit_grad_accum_steps(args, data_parallel_size):
+    """With --global-batch-size, the --grad-accum-steps that make it at -b on this many data-parallel ranks: a
+    relaunch on another number of ranks (a node added or lost) then trains the same global batch."""
+    if args.global_batch_size is None:
+        return
+    rows_per_micro_step = data_parallel_size * args.batch_size
+    if args.global_batch_size % rows_per_micro_step:
+        sys.exit(
+            f"error: --global-batch-size {args.global_batch_size} is not a multiple of {data_parallel_size} "
+            f"data-parallel ranks x -b {args.batch_size} = {rows_per_micro_step}; pass a -b (or a number of "
+            "ranks) whose product divides it"
+        )
+    args.grad_accum_steps = args.global_batch_size // rows_per_micro_step
+
+
+def warn_if_mostly_warmup(warmup_steps, total_steps):
+    if warmup_steps > total_steps // 2 and os.environ.get("RANK", "0") == "0":
+        print(
+            f"warning: --warmup-steps {warmup_steps} covers most of the {total_steps} steps, so the learning rate "
+            f"hardly decays; pass --warmup-steps {max(1, total_steps // 20)} or train longer", file=sys.stderr
+        )
+
+
+def exit_if_diverged(step, loss, grad_norm):
+    """A NaN or infinite loss or gradient norm makes the weights NaN from this step on: stop before a checkpoint
+    keeps them, and say so (a NaN loss in the log alone is easy to miss)."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        sys.exit(
+            f"error: training diverged at step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g}) and no "
+            "checkpoint holds it; train again with a lower --lr under a new -e (this experiment resumes with its "
+            "own --lr and diverges again)"
+        )
+
+
+# --- Signals: a scheduler's warning or Ctrl-C ends the run after a step, with a checkpoint ---
+
+
+def stop_on_signals():
+    """A list that SIGTERM and SIGUSR1 (what schedulers send before they kill a job) and SIGINT (Ctrl-C) append
+    to: the training loop stops after the step it is in, with a checkpoint."""
+    stop_signals = []
+    for stop_signal in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+        signal.signal(stop_signal, lambda signum, frame: request_stop(stop_signals, signum))
+    # torchrun starts workers in sessions of their own: if it is killed (kill -9, the OOM killer), the kernel
+    # sends us SIGTERM (PR_SET_PDEATHSIG = 1) and we stop with a checkpoint instead of training on as orphans.
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+    return stop_signals
+
+
+def request_stop(stop_signals, signum):
+    # NOTE: a handler may run again while it runs (two signals in a row): taking a lock here, as
+    # threading.Event.set does, can deadlock. Appending to a list takes none.
+    stop_signals.append(signum)
+    # A second Ctrl-C ends the process at once, without waiting for the step and the checkpoint.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# --- Errors that reach every rank: one rank's failure must not leave the others waiting in a collective ---
+
+
+def run_on_rank_0(fn):
+    """fn() on rank 0 alone; every rank returns its result. If fn fails there (an error line, a full disk, any
+    exception), every rank exits with one line, instead of waiting for rank 0 in the next collective."""
+    outcome, failure = [None, None], None
+    if dist.get_rank() == 0:
+        try:
+            outcome = [fn(), None]
+        except SystemExit as error:
+            outcome = [None, str(error.code)]
+        except Exception as error:
+            failure = error
+            outcome = [None, full_disk_message(error) or f"error: rank 0 stopped with {type(error).__name__}: "
+                                                        f"{one_line(error)} (its traceback is in its output)"]
+    dist.broadcast_object_list(outcome, src=0)
+    if failure is not None and full_disk_message(failure) is None:
+        raise failure
+    if outcome[1] is not None:
+        sys.exit(outcome[1])
+    return outcome[0]
+
+
+# --- Checkpoints that are complete and intact, or set aside: a .partial folder, a manifest, an atomic rename ---
+
+
+def usable_checkpoint(exp_dir):
+    """The newest complete checkpoint whose files are all as they were written, or None if there is none yet.
+
+    A save writes into step-N.partial and renames it to step-N when done, so a run killed mid-save leaves a
+    .partial folder, which is ignored. A complete one can still be damaged later (a full disk, a node crash
+    before the data reached the disk): it is renamed to step-N.damaged, never deleted, and the one before is used.
+    """
+    checkpoints_dir = os.path.join(exp_dir, "checkpoints")
+    # Rank 0 lists the folder for all: every rank must check the same checkpoints, in the same order.
+    complete = run_on_rank_0(lambda: complete_checkpoints(checkpoints_dir))
+    for name in reversed(complete):
+        checkpoint_dir = os.path.join(checkpoints_dir, name)
+        # Each rank reads its share of the files, in parallel (rank 0 alone would read 5 TB of a 405B run's).
+        damages = [None] * dist.get_world_size()
+        dist.all_gather_object(damages, checkpoint_damage(checkpoint_dir, dist.get_rank(), dist.get_world_size()))
+        damage = next(filter(None, damages), None)
+        if damage is None:
+            return checkpoint_dir
+        run_on_rank_0(lambda: set_aside(checkpoint_dir, damage))
+    if complete:
+        sys.exit(
+            f"error: every checkpoint in {checkpoints_dir} is damaged (now *.damaged); move them away to start "
+            "fresh, or pass a new -e/--experiment-name"
+        )
+    return None
+
+
+def set_aside(checkpoint_dir, damage):
+    os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
+    print(f"warning: checkpoint {checkpoint_dir} is damaged ({damage}); set it aside as "
+          f"{os.path.basename(checkpoint_dir)}.damaged", file=sys.stderr)
+
+
+def complete_checkpoints(checkpoints_dir):
+    """The names of the complete checkpoints (step-N, not step-N.partial or step-N.damaged), oldest first."""
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    return sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
+
+
+def file_digest(path):
+    """(size, CRC-32) of a file, read in 16 MiB pieces: about a second per GB from the page cache."""
+    crc = 0
+    with open(path, "rb") as f:
+        while piece := f.read(1 << 24):
+            crc = zlib.crc32(piece, crc)
+    return [os.path.getsize(path), crc]
+
+
+def writer_rank(name):
+    """The rank that wrote a checkpoint file. DCP names rank r's files __r_0.distcp, __r_1.distcp, ...; rank 0
+    writes the others (a file that a later DCP names otherwise counts as rank 0's: slower, still right)."""
+    match = re.fullmatch(r"__(\d+)_\d+\.distcp", os.path.basename(name))
+    return int(match.group(1)) if match else 0
+
+
+def write_manifest(checkpoint_dir):
+    """Record the size and checksum of every file of a checkpoint, so that loading can tell a damaged one."""
+    files = sorted(
+        os.path.relpath(os.path.join(folder, name), checkpoint_dir)
+        for folder, _, names in os.walk(checkpoint_dir) for name in names
+    )
+    # Each rank checksums the files it wrote, in parallel and while they are in its page cache; rank 0 writes
+    # the manifest of them all.
+    digests = {name: file_digest(os.path.join(checkpoint_dir, name))
+               for name in files if writer_rank(name) == dist.get_rank()}
+    every_ranks_digests = [None] * dist.get_world_size()
+    dist.all_gather_object(every_ranks_digests, digests)
+    digests = dict(sorted(item for part in every_ranks_digests for item in part.items()))
+    run_on_rank_0(lambda: write_json(os.path.join(checkpoint_dir, "manifest.json"), digests))
+
+
+def checkpoint_damage(checkpoint_dir, rank=0, world_size=1):
+    """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest. Rank r of
+    world_size checks the files that ranks r, r + world_size, ... wrote: any number of ranks covers every file
+    of a checkpoint that any number wrote."""
+    try:
+        with open(os.path.join(checkpoint_dir, "manifest.json")) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError):
+        return "manifest.json is missing or unreadable"
+    for name, recorded in manifest.items():
+        if writer_rank(name) % world_size != rank:
+            continue
+        path = os.path.join(checkpoint_dir, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        if file_digest(path) != recorded:
+            return f"{name} differs from what was written ({os.path.getsize(path)} of {recorded[0]} bytes)"
+    return None
+
+
+@contextmanager
+def checkpoint_folder(exp_dir, state, param_shapes):
+    """The folder the checkpoint of state["step"] is written into: step-N.partial, renamed to step-N once the
+    body has returned and each file's checksum is in the manifest. The rename is atomic: a run killed mid-save
+    leaves the checkpoint before as the newest complete one."""
+    checkpoints_dir = os.path.join(exp_dir, "checkpoints")
+    final_dir = os.path.join(checkpoints_dir, f"step-{state['step']:08d}")
+    partial_dir = final_dir + ".partial"
+
+    def start():
+        shutil.rmtree(partial_dir, ignore_errors=True)
+        os.makedirs(partial_dir)
+        write_json(os.path.join(partial_dir, "state.json"), {**state, "param_shapes": param_shapes})
+
+    def finish():
+        os.rename(partial_dir, final_dir)
+        remove_old_checkpoints(checkpoints_dir)
+
+    # Rank 0 makes the folder and renames it; run_on_rank_0 makes every rank wait for it (once a rank exits,
+    # after a stop, torchrun ends the whole job), and stop with its line if it fails (a full disk).
+    run_on_rank_0(start)
+    yield partial_dir
+    write_manifest(partial_dir)
+    run_on_rank_0(finish)
+
+
+def remove_old_checkpoints(checkpoints_dir, keep=2):
+    """Keep the newest `keep` complete checkpoints (the one before the newest is the fallback if the newest
+    turns out damaged) and any *.damaged folder for inspection; remove the rest and stale .partial folders."""
+    stale = [name for name in os.listdir(checkpoints_dir) if name.endswith(".partial")]
+    for name in complete_checkpoints(checkpoints_dir)[:-keep] + stale:
+        shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
+
+
+def write_json(path, value):
+    with open(path, "w") as f:
+        json.dump(value, f)
+
+
+def torch_save(obj, path):
+    # Into a file object, not a path: a full disk then surfaces as its OSError, not as "unexpected pos".
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, checkpoint_format):
+    """The state.json of a checkpoint, after checking that this run can continue it: the same model, the same
+    fixed flags and this script's checkpoint format."""
+    with open(os.path.join(checkpoint_dir, "state.json")) as f:
+        state = json.load(f)
+    saved_shapes = state.pop("param_shapes")
+    if saved_shapes != param_shapes:
+        sys.exit(
+            f"error: checkpoint {checkpoint_dir} holds a different model "
+            f"({describe_mismatch(saved_shapes, param_shapes)}); "
+            "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
+        )
+    # NOTE: on other rows (-s, -d) or in another order (--seed) the saved position would skip or repeat data,
+    # and the saved schedule would silently keep the old --lr.
+    if state["fixed_flags"] != fixed_flags:
+        sys.exit(
+            f"error: checkpoint {checkpoint_dir} continues only under the flags it was trained with "
+            f"({describe_mismatch(state['fixed_flags'], fixed_flags)}); "
+            "relaunch with those, or pass a new -e/--experiment-name to start fresh"
+        )
+    # DCP writes a .metadata index; the one-file format has none.
+    written_as = "sharded (DCP)" if os.path.exists(os.path.join(checkpoint_dir, ".metadata")) else "one file"
+    if written_as != checkpoint_format:
+        sys.exit(
+            f"error: checkpoint {checkpoint_dir} is {written_as}, this script's are {checkpoint_format}; resume "
+            "it with the script that wrote it, or pass a new -e/--experiment-name to start fresh"
+        )
+    return state
+
+
+def describe_mismatch(saved, current):
+    """The first entry (a parameter's shape, a fixed flag) that differs, as it is in the checkpoint and now."""
+    name = next(name for name in sorted(set(saved) | set(current)) if saved.get(name) != current.get(name))
+    return f"{name}: {saved.get(name)} in the checkpoint, {current.get(name)} now"
+
+
+def check_resume_step(step, total_steps, checkpoint_dir):
+    if step > total_steps:
+        sys.exit(
+            f"error: checkpoint {checkpoint_dir} is at step {step}, past the last step of this run "
+            f"({total_steps}); pass a larger --max-steps or --num-epochs, or a new -e/--experiment-name"
+        )
+
+
+# --- The exit: one line for every error we can name, and no teardown that can hang or crash ---
+
+
+def full_disk_error(error):
+    """The OSError of a full disk (or quota) behind error, or None. torch.save reports it as "unexpected pos"
+    with the OSError as its context; DCP collects every rank's exceptions into one CheckpointException."""
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return error
+    causes = [error.__cause__, error.__context__]
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict):
+        causes += [failure[0] for failure in failures.values()]
+    return next(filter(None, (full_disk_error(cause) for cause in causes if cause is not None)), None)
+
+
+def full_disk_message(error):
+    """The one line that a full disk behind error stops every rank with, or None for any other error."""
+    full_disk = full_disk_error(error)
+    if full_disk is None:
+        return None
+    return (f"error: the disk is full ({one_line(full_disk)}); free space under --save-dir or pass another, then "
+            "relaunch the same command (the last complete checkpoint is intact)")
+
+
+def report_exit(stop):
+    """The exit code of sys.exit(code or "message"). A message is printed, as the interpreter does, and
+    written where torchrun's failure summary shows it (instead of "To enable traceback see ...")."""
+    if not isinstance(stop.code, str):
+        return stop.code or 0
+    # One write with its newline: the lines of several ranks on one terminal then cannot interleave.
+    sys.stderr.write(stop.code + "\n")
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        # The format of @record's error file, with the message where the traceback would be.
+        extra_info = {"py_callstack": stop.code, "timestamp": str(int(time.time()))}
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": stop.code, "extraInfo": extra_info}}, f)
+        wait_for_local_ranks_to_report(os.environ["TORCHELASTIC_ERROR_FILE"])
+    return 1
+
+
+def wait_for_local_ranks_to_report(error_file, timeout=3):
+    """torchrun stops every rank (SIGTERM) as soon as one fails: a rank about to fail with the same line would
+    die before printing it, and show as "Signal 15" in the summary. So wait, at most timeout seconds, until
+    each rank of this node has written its error file (torchrun's attempt_N/<local rank>/error.json)."""
+    rank_dir, name = os.path.split(error_file)
+    if os.path.basename(rank_dir) != os.environ.get("LOCAL_RANK"):
+        return  # an error file torchrun did not lay out
+    error_files = [os.path.join(os.path.dirname(rank_dir), str(rank), name)
+                   for rank in range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not all(map(os.path.exists, error_files)):
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    # NOTE: every exit skips the interpreter's teardown (os._exit). From chapter 02 on, gloo's worker threads
+    # can outlive the process group, and torn down with the interpreter they hang or abort a finished process
+    # (pytorch/pytorch#56297, #190489). By now everything is written and closed.
+    try:
+        main()
+        exit_code = 0
+    except SystemExit as stop:
+        exit_code = report_exit(stop)
+    except BaseException as error:  # not only Exception: DCP raises a CheckpointException
+        if full_disk_message(error) is None:
+            traceback.print_exc()
+            exit_code = 1
+        else:
+            exit_code = report_exit(SystemExit(full_disk_message(error)))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)

@@ -23,4 +23,4 @@ PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install --quiet "torch==$torch" "transf
 "$venv/bin/python" -m pytest -p no:cacheprovider \
     tests/test_02_ddp.py::test_ddp_matches_single_process_on_the_global_batch \
     tests/test_04_fsdp.py tests/test_05_405b.py tests/test_06_tp.py tests/test_07_2d.py tests/test_08_pp.py \
-    tests/test_09_3d.py tests/test_10_cp.py tests/test_torch_range.py -k "match or relaunch or resume or torch_range or older"
+    tests/test_09_3d.py tests/test_10_cp.py tests/test_11_ep.py tests/test_torch_range.py -k "match or relaunch or resume or torch_range or older"

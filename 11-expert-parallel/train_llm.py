@@ -10,7 +10,6 @@ to every rank. Everything else, the routers included, is sharded by FSDP as in c
 import argparse
 import ctypes
 import errno
-import functools
 import gc
 import json
 import math
@@ -40,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 from tqdm import tqdm
 from transformers.integrations.moe import ExpertsInterface
 
@@ -315,7 +314,8 @@ def expert_modules(model):
     """Every MoE layer's experts: the modules transformers lets us swap the forward of (@use_experts_implementation
     marks them, e.g. MixtralExperts, Qwen3MoeExperts), each holding all its layer's experts in a few tensors
     whose first dimension is the expert."""
-    experts = [module for module in model.modules() if hasattr(module, "has_gate") and hasattr(module, "num_experts")]
+    experts = [module for module in model.modules()
+               if hasattr(module, "has_gate") and hasattr(module, "num_experts")]
     exit_if(not experts and f"{type(model).__name__} has no experts that this chapter can split (a fused MoE such "
             "as Mixtral, Qwen3-MoE or GPT-OSS); train this dense model with chapter 04")
     return experts
@@ -340,8 +340,10 @@ def shard_experts(experts, expert_mesh, fsdp_options):
                    "chapter does not split; train this model with chapter 04")
     exit_if(problem)
     for name, weight in weights.items():
-        experts.register_parameter(name, torch.nn.Parameter(distribute_tensor(weight, expert_mesh["ep"], [Shard(0)])))
-    fully_shard(experts, **{**fsdp_options, "mesh": expert_mesh["edp"]}, shard_placement_fn=lambda weight: Shard(1))
+        sharded = distribute_tensor(weight, expert_mesh["ep"], [Shard(0)])
+        experts.register_parameter(name, torch.nn.Parameter(sharded))
+    fully_shard(experts, **{**fsdp_options, "mesh": expert_mesh["edp"]},
+                shard_placement_fn=lambda weight: Shard(1))
 
 
 def use_expert_parallel(model, ep_group):
@@ -851,7 +853,8 @@ def training_flops_per_token(model, config, seq_length):
     through top-k of a layer's experts: only that fraction of the experts' weights works on it."""
     embedding = model.get_input_embeddings().weight
     expert_weights = {id(p): p for experts in expert_modules(model) for p in experts.parameters()}
-    num_matmul_params = sum(p.numel() for p in model.parameters() if p is not embedding and id(p) not in expert_weights)
+    num_matmul_params = sum(p.numel() for p in model.parameters()
+                            if p is not embedding and id(p) not in expert_weights)
     num_expert_params = sum(p.numel() for p in expert_weights.values())
     num_matmul_params += num_expert_params * config.num_experts_per_tok // num_experts(model)
     if model.get_output_embeddings().weight is embedding:

@@ -44,6 +44,7 @@ CHAPTERS = {
     "08": ROOT / "08-pipeline-parallel" / "train_llm.py",
     "09": ROOT / "09-3d-parallel" / "train_llm.py",
     "10": ROOT / "10-context-parallel" / "train_llm.py",
+    "11": ROOT / "11-expert-parallel" / "train_llm.py",
 }
 BIG_EAGER = ("01", "02", "04", "06", "08", "09")
 # NOTE: the shape of meta-llama/Llama-3.2-1B (1.24B parameters). Token ids are the ByT5 byte tokenizer's: its
@@ -181,7 +182,7 @@ def plan(quick, model_args, steps, flash):
     that if time runs out, what is lost is a measurement. estimate_s and limit_s are for one H200 (full) or a
     2-core CPU (quick), not yet measured on an H200: the table's time column is what to correct them with."""
     def every_chapter(options, args, **run):
-        return [Run(chapter, options, args, **run) for chapter in CHAPTERS]
+        return [Run(chapter, options, own_model(chapter, args), **run) for chapter in CHAPTERS]
 
     if quick:
         # The same stages on the tiny model for 3 steps: side by side, then stopped after their last log line.
@@ -214,6 +215,15 @@ def plan(quick, model_args, steps, flash):
             until_last_log=True, skipped=None if flash else "skipped: flash-attn not installed",
         )], side_by_side=False, estimate_s=30, limit_s=45),
     ]
+
+
+def own_model(chapter, args):
+    """Chapter 11 trains mixtures of experts only: where the others get -m (a Llama), it keeps its default
+    model, a tiny Mixtral."""
+    if chapter != "11" or "-m" not in args:
+        return args
+    index = args.index("-m")
+    return [*args[:index], *args[index + 2 :]]
 
 
 def describe_plan(stages, budget_s, device_name):

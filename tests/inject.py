@@ -35,6 +35,8 @@ INJECT=slow-p2p       sleep 50 ms before each batch of point-to-point sends and 
 INJECT=expert-bytes  at exit, print "rank r: expert_bytes {json}": the bytes of expert weights this rank held
                       while an MoE layer's experts computed (the most of any layer; FSDP has gathered them then),
                       and those of a whole layer's experts
+INJECT=all-to-all-bytes  at exit, print "rank r: all_to_all_bytes {json}": the bytes this rank sent to other
+                      ranks through all_to_all_single (rows times row bytes), by optimizer step (1 = the first)
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -287,6 +289,27 @@ elif what == "expert-bytes":
 
     torch.nn.modules.module.register_module_forward_hook(record_expert_bytes)
     report_at_exit(lambda: f"expert_bytes {json.dumps(held_by_layer)}")
+elif what == "all-to-all-bytes":
+    # bytes this rank sent to other ranks through all_to_all_single, by optimizer step (forward and backward)
+    sent_by_step = {}
+    real_all_to_all_single = dist.all_to_all_single
+
+    def counted_all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
+                                  **kwargs):
+        group_size, group_rank = dist.get_world_size(group), dist.get_rank(group)
+        splits = input_split_sizes or [input.shape[0] // group_size] * group_size
+        row_bytes = input[:1].numel() * input.element_size()
+        step = str(steps_done + 1)
+        sent_by_step[step] = sent_by_step.get(step, 0) + (sum(splits) - splits[group_rank]) * row_bytes
+        return real_all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, **kwargs)
+
+    def count_steps(optimizer, args, kwargs):
+        global steps_done
+        steps_done += 1
+
+    dist.all_to_all_single = counted_all_to_all_single
+    register_optimizer_step_post_hook(count_steps)
+    report_at_exit(lambda: f"all_to_all_bytes {json.dumps(sent_by_step)}")
 else:
     raise SystemExit(f"inject.py: unknown INJECT={what!r}")
 

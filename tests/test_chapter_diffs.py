@@ -36,6 +36,10 @@ CHAPTER_DIFFS = {
     # Context parallelism keeps chapter 04's sharding, checkpoints and export; the rows and the validation are
     # split over the dp ranks, the tokens over the cp ranks.
     ("04", "10"): (179, {"main", "get_parser", "evaluate"}),
+    # Expert parallelism shards the experts before FSDP's groups, builds a Mixtral by default, and counts only
+    # the experts a token passes through in the MFU's FLOPs.
+    ("04", "11"): (280, {"main", "get_parser", "build_model", "shard_model", "load_config_and_tokenizer",
+                         "training_flops_per_token"}),
 }
 # chapter: (the chapter whose text these functions must be, the functions)
 BORROWED = {"06": ("04", {"save_checkpoint", "load_checkpoint", "export_hf"})}
@@ -57,7 +61,7 @@ ONE_PROCESS_LINES = {
 # What a reader of a chapter meets first: its technique, within the first screens of the file.
 TECHNIQUE_CALL = {"02": "DistributedDataParallel(", "04": "fully_shard(", "05": "fully_shard(",
                   "06": "parallelize_module(", "07": "fully_shard(", "08": "PipelineStage(", "09": "PipelineStage(",
-                  "10": "use_context_parallel_attention("}
+                  "10": "use_context_parallel_attention(", "11": "use_expert_parallel("}
 # The checks a chapter keeps above the rule are its technique's own (a mesh that does not divide, a model the
 # plan does not fit); a check that finds one of several problems names it and leaves the exit to the band's
 # exit_if.
@@ -181,6 +185,8 @@ def hand_count(config, seq_length, tied):
         + 3 * hidden * inter  # gate, up, down
         + 2 * hidden  # two RMSNorm weights
     )
+    if hasattr(config, "num_local_experts"):  # a Mixtral: a router, and top-k experts' gate, up, down per token
+        per_layer += hidden * config.num_local_experts + 3 * hidden * inter * (config.num_experts_per_tok - 1)
     # The output head is a matmul whether or not it shares its matrix with the embedding (a lookup).
     matmul_weights = layers * per_layer + hidden + vocab * hidden
     return 6 * matmul_weights + 12 * layers * hidden * seq_length
@@ -190,7 +196,10 @@ def hand_count(config, seq_length, tied):
 @pytest.mark.parametrize("chapter", SCRIPTS)
 def test_flops_per_token_counts_the_output_head_also_when_tied(chapter, tied):
     flops_per_token = load_script(CHAPTERS[chapter] / "train_llm.py")["training_flops_per_token"]
-    config = transformers.LlamaConfig(**{**TINY_LLAMA, "num_key_value_heads": 2, "tie_word_embeddings": tied})
+    sizes = {**TINY_LLAMA, "num_key_value_heads": 2, "tie_word_embeddings": tied}
+    # Chapter 11 trains MoEs only: a token passes through 2 of the 4 experts of a layer.
+    config = (transformers.MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2) if chapter == "11"
+              else transformers.LlamaConfig(**sizes))
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == tied
     assert flops_per_token(model, config, 128) == hand_count(config, 128, tied)

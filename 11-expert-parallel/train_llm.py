@@ -77,7 +77,7 @@ def main():
     # send each other tokens; the edp ranks of a column hold the same experts, and FSDP shards those over them.
     expert_mesh = init_device_mesh(device.type, (world_size // args.ep, args.ep), mesh_dim_names=("edp", "ep"))
     model = build_model(args, config, device, mesh, expert_mesh, compute_dtype)
-    expert_parallel = use_expert_parallel(model, expert_mesh.get_group("ep"))
+    expert_parallel = use_expert_parallel(model, expert_mesh.get_group("ep"), device)
     param_shapes = {name: list(p.shape) for name, p in model.named_parameters()}
     flops_per_token = training_flops_per_token(model, config, args.seq_length)
     num_params = sum(p.numel() for p in model.parameters())
@@ -297,6 +297,7 @@ def make_device_mesh(device, world_size, replicate_degree):
 
 def check_expert_parallel_fits(args, config, world_size):
     """Exit with one line if the ranks cannot be split as asked, or the load-balancing loss is not there."""
+    config = config.get_text_config()  # (a vision-language model keeps its MoE settings there)
     if args.aux_loss_coef is None:
         args.aux_loss_coef = getattr(config, "router_aux_loss_coef", 0.0)
     problem = None
@@ -316,13 +317,28 @@ def expert_modules(model):
     whose first dimension is the expert."""
     experts = [module for module in model.modules()
                if hasattr(module, "has_gate") and hasattr(module, "num_experts")]
-    exit_if(not experts and f"{type(model).__name__} has no experts that this chapter can split (a fused MoE such "
-            "as Mixtral, Qwen3-MoE or GPT-OSS); train this dense model with chapter 04")
+    problem = None
+    if not experts:
+        problem = (f"{type(model).__name__} has no experts module that this chapter can split (the fused experts "
+                   "of Mixtral, Qwen3-MoE, GPT-OSS and the like); train this model with chapter 04")
+    elif len({module.num_experts for module in experts}) > 1:
+        problem = (f"{type(model).__name__} has MoE layers with different numbers of experts, which this chapter "
+                   "does not split; train this model with chapter 04")
+    exit_if(problem)
     return experts
 
 
 def num_experts(model):
     return expert_modules(model)[0].num_experts
+
+
+def experts_per_token(config):
+    """k, the experts each token goes through, under the name the model's config gives it."""
+    config = config.get_text_config()
+    names = [name for name in ("num_experts_per_tok", "top_k_experts", "moe_topk") if getattr(config, name, None)]
+    exit_if(not names and f"{config.model_type}'s config names no number of experts a token takes "
+            "(num_experts_per_tok); train this model with chapter 04")
+    return getattr(config, names[0])
 
 
 def shard_experts(experts, expert_mesh, fsdp_options):
@@ -342,14 +358,30 @@ def shard_experts(experts, expert_mesh, fsdp_options):
     for name, weight in weights.items():
         sharded = distribute_tensor(weight, expert_mesh["ep"], [Shard(0)])
         experts.register_parameter(name, torch.nn.Parameter(sharded))
-    fully_shard(experts, **{**fsdp_options, "mesh": expert_mesh["edp"]},
+    # NOTE: FSDP casts a group's inputs to --dtype: the router's fp32 weights of each token's experts would
+    # reach us in bf16, where transformers weights and adds the experts' outputs in fp32.
+    mp_policy = MixedPrecisionPolicy(param_dtype=fsdp_options["mp_policy"].param_dtype,
+                                     reduce_dtype=torch.float32, cast_forward_inputs=False)
+    fully_shard(experts, **{**fsdp_options, "mesh": expert_mesh["edp"], "mp_policy": mp_policy},
                 shard_placement_fn=lambda weight: Shard(1))
 
 
-def use_expert_parallel(model, ep_group):
+def initialize_experts(model, seed):
+    """Draw the experts again, each rank its piece from a generator of its own. Chapter 04 seeds each rank by
+    its FSDP shard index, which HSDP's replicas share, while here every rank holds other experts' pieces. (On
+    CUDA, DTensor draws every piece from one stream at its own offset: they differ either way.)"""
+    torch.default_generator.manual_seed(seed + dist.get_world_size() + dist.get_rank())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+        for experts in expert_modules(model):
+            model._init_weights(experts)
+    torch.manual_seed(seed)
+
+
+def use_expert_parallel(model, ep_group, device):
     """Every MoE layer's experts will run ExpertParallel's forward: transformers looks experts forwards up by
     the name the model is set to, so Mixtral, Qwen3-MoE, GPT-OSS and the like take it unchanged."""
-    expert_parallel = ExpertParallel(model, ep_group)
+    expert_parallel = ExpertParallel(model, ep_group, device)
     ExpertsInterface.register("expert_parallel", expert_parallel)
     model.set_experts_implementation("expert_parallel")
     return expert_parallel
@@ -360,10 +392,9 @@ class ExpertParallel:
     rank's experts on the tokens they got from every ep rank, send the results back, weight and add them.
     No token is dropped, so the layer computes what the unsharded model computes."""
 
-    def __init__(self, model, ep_group):
+    def __init__(self, model, ep_group, device):
         self.ep_group = ep_group
         self.layer_of = {experts: layer for layer, experts in enumerate(expert_modules(model))}
-        device = model.get_input_embeddings().weight.device
         # [MoE layer, expert]: the rows (token, expert pairs) this rank routed to each expert in this step.
         self.tokens_per_expert = torch.zeros(len(self.layer_of), num_experts(model), dtype=torch.long,
                                              device=device)
@@ -385,15 +416,16 @@ class ExpertParallel:
         received_per_expert = torch.empty_like(rows_per_expert)
         dist.all_to_all_single(received_per_expert, rows_per_expert, group=self.ep_group)
         # NOTE: .tolist() waits for the GPU (all_to_all takes its split sizes on the CPU): once per layer.
-        received = received_per_expert.view(ep_size, experts_per_rank)  # [source rank, local expert]
-        send_splits = rows_per_expert.view(ep_size, experts_per_rank).sum(dim=1).tolist()
-        receive_splits = received.sum(dim=1).tolist()
+        counts = torch.stack([rows_per_expert, received_per_expert]).view(2, ep_size, experts_per_rank).tolist()
+        sent, received = counts  # [rank, its expert]: the rows sent to it, and those received from it
+        send_splits, receive_splits = [sum(row) for row in sent], [sum(row) for row in received]
         rows = AllToAll.apply(rows, send_splits, receive_splits, self.ep_group)
         # They arrive grouped by source rank, then by expert: regrouped by expert, each expert runs once.
-        pieces = torch.arange(len(rows), device=rows.device).split(received.flatten().tolist())
+        pieces = torch.arange(len(rows), device=rows.device).split([n for row in received for n in row])
         by_expert = torch.cat([pieces[source * experts_per_rank + expert]
                                for expert in range(experts_per_rank) for source in range(ep_size)])
-        outputs = run_local_experts(experts, rows[by_expert], received.sum(dim=0).tolist(), ep_size)
+        rows_per_local_expert = [sum(column) for column in zip(*received)]
+        outputs = run_local_experts(experts, rows[by_expert], rows_per_local_expert, ep_size)
         # The way back: the same splits, swapped, then this rank's rows in their original order.
         outputs = AllToAll.apply(outputs[by_expert.argsort()], receive_splits, send_splits, self.ep_group)
         outputs = outputs[row_order.argsort()] * top_k_weights.reshape(-1, 1)
@@ -433,7 +465,9 @@ def run_local_experts(experts, rows, rows_per_expert, ep_size):
     # FSDP has all-gathered this rank's experts over edp; to_local() is this rank's [experts / ep, ...] slice.
     # NOTE: an expert's gradient sums the rows of all ep ranks, and FSDP averages it over the edp ranks only:
     # / ep makes it the average over all ranks that every other gradient is (else ep times too large).
-    weights = {name: ScaleGradient.apply(weight.to_local(), 1 / ep_size)
+    # (unbind: one stack of the experts' gradients in backward, where indexing would add a zero tensor of all
+    # of them per expert)
+    weights = {name: ScaleGradient.apply(weight.to_local(), 1 / ep_size).unbind(0)
                for name, weight in experts.named_parameters()}
     # Every expert runs, on no rows too: each weight then has a gradient, and FSDP reduce-scatters them all.
     return torch.cat([expert_mlp(experts, expert_rows, {name: weight[expert] for name, weight in weights.items()})
@@ -469,8 +503,10 @@ class ScaleGradient(torch.autograd.Function):
 def clip_grad_norm(model, max_norm):
     """torch.nn.utils.clip_grad_norm_ for weights on two meshes (torch adds up DTensors on one mesh only). The
     experts' pieces never repeat (an (edp, ep) grid of them): their squares add up over all ranks."""
-    expert_weights = [weight for experts in expert_modules(model) for weight in experts.parameters()]
-    other_weights = [weight for weight in model.parameters() if all(weight is not w for w in expert_weights)]
+    expert_weights = [weight for experts in expert_modules(model) for weight in experts.parameters()
+                      if weight.grad is not None]
+    other_weights = [weight for weight in model.parameters()
+                     if weight.grad is not None and all(weight is not w for w in expert_weights)]
     experts_squared = torch.nn.utils.get_total_norm([weight.grad.to_local() for weight in expert_weights]) ** 2
     dist.all_reduce(experts_squared)
     others_squared = torch.nn.utils.get_total_norm([weight.grad for weight in other_weights]).full_tensor() ** 2
@@ -491,6 +527,7 @@ def build_model(args, config, device, mesh, expert_mesh, compute_dtype):
     # to_empty gives each rank uninitialised storage for its shards and buffers (in CPU memory with --cpu-offload).
     model.to_empty(device="cpu" if args.cpu_offload else device)
     initialize_weights(model, mesh, args.seed)
+    initialize_experts(model, args.seed)
     if args.cpu_offload:
         # Offloading keeps parameters in CPU memory between uses, and buffers there for good: RoPE's inv_freq
         # would be copied to the GPU in every forward, and a buffer such as Gemma's embed_scale meet GPU tensors.
@@ -856,7 +893,7 @@ def training_flops_per_token(model, config, seq_length):
     num_matmul_params = sum(p.numel() for p in model.parameters()
                             if p is not embedding and id(p) not in expert_weights)
     num_expert_params = sum(p.numel() for p in expert_weights.values())
-    num_matmul_params += num_expert_params * config.num_experts_per_tok // num_experts(model)
+    num_matmul_params += num_expert_params * experts_per_token(config) // num_experts(model)
     if model.get_output_embeddings().weight is embedding:
         num_matmul_params += embedding.numel()
     return 6 * num_matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_length

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import launching
+from tiny_tokenizer import byte_level_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = {
@@ -238,21 +239,6 @@ def write_tiny_model(path, seed=0, architecture="llama", **overrides):
                  else transformers.ByT5Tokenizer(extra_ids=0))
     tokenizer.save_pretrained(path)
     return path
-
-
-def byte_level_tokenizer():
-    """A fast tokenizer with one token per byte after 3 special tokens, as ByT5's (which has no fast one)."""
-    import tokenizers
-    import transformers
-
-    alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{char: i + 3 for i, char in enumerate(alphabet)}}
-    backend = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    backend.decoder = tokenizers.decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="</s>", pad_token="<pad>", unk_token="<unk>"
-    )
 
 
 def write_tiny_dataset(path, num_files=2, documents_per_file=300, seed=0):

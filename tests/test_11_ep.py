@@ -71,6 +71,32 @@ def test_expert_parallel_matches_single_process(launch, model, layout):
         assert metrics["max_expert_load"] >= 1.0
 
 
+@pytest.mark.parametrize("flags", [["-b", 1, "--global-batch-size", 8], ["-b", 2, "--replicate-degree", 2],
+                                   ["-b", 2, "--cpu-offload"]], ids=["accumulation", "hsdp", "cpu-offload"])
+def test_accumulation_hsdp_and_cpu_offload_under_expert_parallelism_match_single_process(launch, flags):
+    """4 ranks as (dp, ep) = (2, 2): 2 micro-batches of 1 row per rank, each exchanging its tokens; HSDP (2
+    replicas of everything but the experts, each sharded over 2 ranks); the shards in CPU memory."""
+    assert_same_training(launch("11", "mixtral", 4, ["--ep", 2, *flags, *NO_AUX_LOSS]), launch("01", "mixtral"))
+
+
+def test_a_fresh_init_gives_every_rank_its_own_piece_of_the_experts_also_under_hsdp(models, tiny_dataset,
+                                                                                   tmp_path):
+    """A fresh model (no --from-pretrained) at (dp, ep) = (2, 2) with HSDP over 2 replicas: ranks 0 and 2 share
+    an FSDP shard index but hold the two halves (dim 1) of the same experts. Exported after one step at a
+    learning rate that moves nothing: each expert's halves differ, and the weights have the init's spread."""
+    run = run_chapter("11", ["-m", models["mixtral"], "-d", tiny_dataset, "-s", 32, "--dtype", "float32", "-b", 2,
+                             "--ep", 2, "--replicate-degree", 2, "--max-steps", 1, "--lr", 1e-30],
+                      tmp_path, nproc=4)
+    model = transformers.AutoModelForCausalLM.from_pretrained(run.exp_dir / "hf", dtype=torch.float32)
+    weights = {name: weight for name, weight in model.named_parameters() if ".experts." in name}
+    assert sorted(name.split(".")[-1] for name in weights) == ["down_proj"] * 2 + ["gate_up_proj"] * 2
+    for name, weight in weights.items():
+        for expert in weight:  # [2 x intermediate, hidden] or [hidden, intermediate]: edp's halves are dim 0
+            first_half, second_half = expert.chunk(2, dim=0)
+            assert not torch.equal(first_half, second_half), name
+            assert abs(expert.std().item() / 0.02 - 1) < 0.2, name  # HF's normal(0, 0.02)
+
+
 @pytest.mark.parametrize("ep", [2, 4])
 def test_with_the_load_balancing_loss_ep_2_and_4_train_as_ep_1(launch, ep):
     """4 ranks at -b 2, the config's router_aux_loss_coef (0.001, turned up to 0.1 to weigh): the loss each rank
@@ -78,7 +104,8 @@ def test_with_the_load_balancing_loss_ep_2_and_4_train_as_ep_1(launch, ep):
     reference = launch("11", "mixtral", 4, ["--ep", 1, *AUX_LOSS_ON])
     run = launch("11", "mixtral", 4, ["--ep", ep, *AUX_LOSS_ON])
     assert_same_training(run, reference)
-    differences = [abs(mine["aux_loss"] - theirs["aux_loss"]) for mine, theirs in zip(run.metrics, reference.metrics)]
+    differences = [abs(mine["aux_loss"] - theirs["aux_loss"])
+                   for mine, theirs in zip(run.metrics, reference.metrics)]
     assert max(differences) < 1e-6, differences
     # the loss is on: it is not chapter 01's run (aux 0), and it is the model's (about top_k for a uniform router)
     assert abs(run.metrics[-1]["loss"] - launch("01").metrics[-1]["loss"]) > 1e-4
@@ -150,8 +177,8 @@ def test_the_export_is_the_ordinary_model(launch):
     (["--ep", 2], "three-experts",
      "--ep 2 does not divide the 3 experts of each layer; pass a divisor of the number of experts"),
     (["--ep", 2], "llama",
-     "LlamaForCausalLM has no experts that this chapter can split (a fused MoE such as Mixtral, Qwen3-MoE or "
-     "GPT-OSS); train this dense model with chapter 04"),
+     "LlamaForCausalLM has no experts module that this chapter can split (the fused experts of Mixtral, "
+     "Qwen3-MoE, GPT-OSS and the like); train this model with chapter 04"),
 ], ids=["ranks", "experts", "dense-model"])
 def test_bad_layouts_fail_with_one_line_on_every_rank(common_args, models, tiny_model, tmp_path, flags, model,
                                                        message):
@@ -168,7 +195,8 @@ def test_bad_layouts_fail_with_one_line_on_every_rank(common_args, models, tiny_
 
 
 @pytest.mark.parametrize("coef,config,message", [
-    (-1, transformers.MixtralConfig(), "--aux-loss-coef -1.0 is negative; pass 0 (no load-balancing loss) or more"),
+    (-1, transformers.MixtralConfig(),
+     "--aux-loss-coef -1.0 is negative; pass 0 (no load-balancing loss) or more"),
     (0.01, transformers.DeepseekV3Config(),
      "deepseek_v3 defines no load-balancing loss to add; pass --aux-loss-coef 0"),
 ], ids=["negative", "no-aux-loss"])
@@ -215,9 +243,11 @@ def test_the_experts_forward_equals_transformers_own(architecture):
     try:
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
         for name, weight in list(experts.named_parameters()):
-            experts.register_parameter(name, torch.nn.Parameter(distribute_tensor(weight.detach(), mesh, [Shard(0)])))
+            sharded = distribute_tensor(weight.detach(), mesh, [Shard(0)])
+            experts.register_parameter(name, torch.nn.Parameter(sharded))
         hidden_states.grad = None
-        ours = script["ExpertParallel"](model, dist.group.WORLD)(experts, hidden_states, top_k_index, top_k_weights)
+        expert_parallel = script["ExpertParallel"](model, dist.group.WORLD, torch.device("cpu"))
+        ours = expert_parallel(experts, hidden_states, top_k_index, top_k_weights)
         ours.sum().backward()
         our_grads = [hidden_states.grad, *(w.grad.to_local() for w in experts.parameters())]
     finally:

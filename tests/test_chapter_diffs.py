@@ -38,7 +38,7 @@ CHAPTER_DIFFS = {
     ("04", "10"): (179, {"main", "get_parser", "evaluate"}),
     # Expert parallelism shards the experts before FSDP's groups, builds a Mixtral by default, and counts only
     # the experts a token passes through in the MFU's FLOPs.
-    ("04", "11"): (280, {"main", "get_parser", "build_model", "shard_model", "load_config_and_tokenizer",
+    ("04", "11"): (320, {"main", "get_parser", "build_model", "shard_model", "load_config_and_tokenizer",
                          "training_flops_per_token"}),
 }
 # chapter: (the chapter whose text these functions must be, the functions)

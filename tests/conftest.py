@@ -215,8 +215,9 @@ def write_tiny_model(path, seed=0, architecture="llama", **overrides):
     """A randomly initialised tiny Llama, Qwen3 (per-head q/k norms), Gemma 2 (no sdpa in transformers: eager
     attention with soft-capped scores), Gemma 3 (also norms around the MLP, a scaled embedding), Granite
     (embeddings, residuals and logits scaled outside the layers; logits x2, not Granite 3's /16, so that it
-    learns in a few steps), Mixtral (experts: one tensor each on disk, fused in the model), Qwen3-MoE or GPT-NeoX
-    (not the Llama layout), with a byte tokenizer, saved like any Hub checkpoint."""
+    learns in a few steps), Mixtral (experts: one tensor each on disk, fused in the model), the MoEs Qwen3-MoE,
+    Qwen2-MoE, GPT-OSS and DeepSeek-V3, or GPT-NeoX (not the Llama layout), with a byte tokenizer, saved like
+    any Hub checkpoint."""
     import torch
     import transformers
 
@@ -224,19 +225,21 @@ def write_tiny_model(path, seed=0, architecture="llama", **overrides):
     config_class = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config,
                     "gemma2": transformers.Gemma2Config, "mixtral": transformers.MixtralConfig,
                     "gemma3": transformers.Gemma3TextConfig, "granite": transformers.GraniteConfig,
-                    "gpt_neox": transformers.GPTNeoXConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[architecture]
+                    "gpt_neox": transformers.GPTNeoXConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+                    "qwen2_moe": transformers.Qwen2MoeConfig, "gpt_oss": transformers.GptOssConfig,
+                    "deepseek_v3": transformers.DeepseekV3Config}[architecture]
     sizes = {**TINY_LLAMA, **overrides}
     # Qwen3's and Gemma's head_dim is its own setting (default 128, 256), not hidden_size / heads.
-    if architecture in ("qwen3", "gemma2", "gemma3", "qwen3_moe"):
+    if architecture in ("qwen3", "gemma2", "gemma3", "qwen3_moe", "gpt_oss"):
         sizes.setdefault("head_dim", sizes["hidden_size"] // sizes["num_attention_heads"])
     if architecture == "granite":
         sizes = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "logits_scaling": 0.5,
                  "attention_multiplier": 0.25, **sizes}
     config = config_class(**sizes)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
-    # transformers 5 loads a Granite or Mixtral checkpoint's tokenizer only from a tokenizer.json (a fast one).
-    tokenizer = (byte_level_tokenizer() if architecture in ("granite", "mixtral")
-                 else transformers.ByT5Tokenizer(extra_ids=0))
+    # transformers 5 loads these checkpoints' tokenizers only from a tokenizer.json (a fast one).
+    fast_only = ("granite", "mixtral", "qwen2_moe", "gpt_oss", "deepseek_v3")
+    tokenizer = byte_level_tokenizer() if architecture in fast_only else transformers.ByT5Tokenizer(extra_ids=0)
     tokenizer.save_pretrained(path)
     return path
 

@@ -71,6 +71,30 @@ def test_expert_parallel_matches_single_process(launch, model, layout):
         assert metrics["max_expert_load"] >= 1.0
 
 
+# Three more MoE layouts, each against chapter 01 at (dp, ep) = (1, 2): GPT-OSS (transposed experts with biases,
+# a clamped gate, a router with a bias, attention sinks and sliding layers), Qwen2-MoE (a shared expert beside
+# the routed ones) and DeepSeek-V3 (multi-head latent attention, grouped routing, a dense first layer).
+MORE_FAMILIES = {
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=64),
+    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, n_group=1,
+                        topk_group=1, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=32,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+}
+
+
+@pytest.mark.parametrize("architecture", MORE_FAMILIES)
+def test_other_moe_families_match_single_process(launch_once, common_args, tmp_path_factory, architecture):
+    model = write_tiny_model(tmp_path_factory.mktemp(architecture), architecture=architecture,
+                             **MOE_SIZES, **MORE_FAMILIES[architecture])
+    args = [*common_args, "--max-steps", 6]
+    args[args.index("-m") + 1] = model
+    reference = launch_once("01", [*args, "-b", 8])
+    assert_same_training(launch_once("11", [*args, "-b", 4, "--ep", 2, *NO_AUX_LOSS], nproc=2), reference)
+
+
 @pytest.mark.parametrize("flags", [["-b", 1, "--global-batch-size", 8], ["-b", 2, "--replicate-degree", 2],
                                    ["-b", 2, "--cpu-offload"]], ids=["accumulation", "hsdp", "cpu-offload"])
 def test_accumulation_hsdp_and_cpu_offload_under_expert_parallelism_match_single_process(launch, flags):

@@ -167,6 +167,7 @@ def main():
     show_progress = rank == 0 and sys.stderr.isatty()
     progress = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not show_progress)
     last_log_time, last_log_step = time.perf_counter(), state["step"]
+    profiler = start_profiler(exp_dir, state["step"], device) if args.profile else None
     model.train()
 
     while state["step"] < total_steps:
@@ -215,6 +216,8 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         progress.update(1)
+        if profiler is not None:
+            profiler.step()
 
         steps_since_log += 1
         # The validation loss, at each checkpoint (or --eval-freq) and at the end, gets a log line of its own.
@@ -257,6 +260,8 @@ def main():
             break
 
     progress.close()
+    if profiler is not None:
+        profiler.stop()
     if state["step"] == total_steps:
         export_hf(os.path.join(exp_dir, "hf"), model, tokenizer)
     if wandb_run is not None:
@@ -512,6 +517,8 @@ def get_parser():
     parser.add_argument("--eval-freq", type=positive_int, default=None,
                         help="validation loss every this many steps and at the end (default: at each checkpoint)")
     parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
+    parser.add_argument("--profile", action="store_true",
+                        help="record steps 3-4 with torch.profiler: <experiment>/profile/rank-N.json")
     parser.add_argument("--tp", type=positive_int, default=1,
                         help="ranks that split each layer (tensor parallel), inside one node; dp = ranks / tp")
     return parser
@@ -1051,6 +1058,28 @@ def exit_if_diverged(step, loss, grad_norm):
 
 
 # --- Signals: a scheduler's warning or Ctrl-C ends the run after a step, with a checkpoint ---
+
+
+def start_profiler(exp_dir, start_step, device):
+    """--profile: torch.profiler records steps start_step + 3 and + 4 of this launch (one step to wait, one to
+    warm up) and writes one Chrome trace per rank to <experiment>/profile/ (open it in https://ui.perfetto.dev):
+    the CPU's operators, the GPU's kernels, and the collectives with their sizes."""
+    rank = int(os.environ.get("RANK", "0"))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+
+    def write_trace(profiler):
+        path = os.path.join(exp_dir, "profile", f"rank-{rank}.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        profiler.export_chrome_trace(path)
+        print(f"rank {rank}: steps {start_step + 3}-{start_step + 4} profiled (their tokens_per_s includes the "
+              f"profiler's cost): {path}")
+
+    profiler = torch.profiler.profile(activities=activities, on_trace_ready=write_trace,
+                                      schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1))
+    profiler.start()
+    return profiler
 
 
 def stop_on_signals():

@@ -163,7 +163,8 @@ def test_the_lesson_comes_first_and_keeps_only_the_techniques_own_errors(chapter
     else:
         first_call = next(number for number, line in enumerate(script(chapter).splitlines(), 1)
                           if TECHNIQUE_CALL[chapter] in line)
-        assert first_call <= 330, first_call
+        # (330 before --profile's lines in main)
+        assert first_call <= 340, first_call
     errors = re.findall(r"\berror: ", text)
     assert len(errors) <= MOST_ERRORS_ABOVE_THE_RULE[chapter], len(errors)
 

@@ -1,0 +1,43 @@
+"""--profile, in every chapter: torch.profiler traces steps 3 and 4 of a launch into one Chrome trace per rank,
+in which the chapter's collectives and its compute are visible; the run trains exactly as without the flag."""
+import json
+
+import pytest
+
+from conftest import CHAPTERS
+from launching import load_script
+
+STEPS = ["--max-steps", 5]
+# chapter: (processes, flags, events every rank's trace must hold: its collectives and a matmul)
+CHAPTER_EVENTS = {
+    "01": (None, ["-b", 8], {"aten::mm"}),
+    # DDP all-reduces the gradient buckets during backward
+    "02": (2, ["-b", 4], {"gloo:all_reduce", "aten::mm"}),
+    # FSDP all-gathers each block's weights before it runs (gloo reduces gradients with all_reduce)
+    "04": (2, ["-b", 4], {"gloo:all_gather", "FSDP::all_gather (model.layers.0)", "gloo:all_reduce", "aten::mm"}),
+}
+
+
+@pytest.mark.parametrize("chapter", CHAPTER_EVENTS)
+def test_profile_traces_steps_3_and_4_on_every_rank_with_its_collectives(chapter, launch_once, common_args):
+    nproc, flags, expected = CHAPTER_EVENTS[chapter]
+    run = launch_once(chapter, [*common_args, *flags, *STEPS, "--profile"], nproc=nproc)
+    for rank in range(nproc or 1):
+        trace = run.exp_dir / "profile" / f"rank-{rank}.json"
+        assert f"rank {rank}: steps 3-4 profiled" in run.stdout and str(trace) in run.stdout
+        names = {event["name"] for event in json.loads(trace.read_text())["traceEvents"] if event.get("ph") == "X"}
+        assert expected <= names, expected - names
+        # the profiler counts steps from 0: its steps 2 and 3 are the launch's third and fourth
+        assert sorted(name for name in names if name.startswith("ProfilerStep#")) == ["ProfilerStep#2",
+                                                                                     "ProfilerStep#3"]
+    unprofiled = launch_once(chapter, [*common_args, *flags, *STEPS], nproc=nproc)
+    assert run.losses == unprofiled.losses
+    assert not (unprofiled.exp_dir / "profile").exists()
+
+
+@pytest.mark.parametrize("chapter", [chapter for chapter, folder in CHAPTERS.items()
+                                     if (folder / "train_llm.py").exists()])
+def test_every_chapter_takes_the_profile_flag(chapter):
+    script = load_script(CHAPTERS[chapter] / "train_llm.py")
+    assert script["get_parser"]().parse_args(["--profile"]).profile
+    assert not script["get_parser"]().parse_args([]).profile

@@ -185,7 +185,7 @@ def main():
     show_progress = rank == 0 and sys.stderr.isatty()
     progress = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not show_progress)
     last_log_time, last_log_step = time.perf_counter(), state["step"]
-    profiler = start_profiler(exp_dir, state["step"], device) if args.profile else None
+    profiler = start_profiler(exp_dir, state["step"], total_steps, device) if args.profile else None
     for stage in stages:
         stage.train()
 
@@ -226,8 +226,6 @@ def main():
         optimizer.zero_grad(set_to_none=True)
         state["step"] += 1
         progress.update(1)
-        if profiler is not None:
-            profiler.step()
 
         # NOTE: nothing in a step reads a value back from the GPU (.item(), printing a tensor): the CPU queues
         # the next step while the GPU computes this one. Losses are summed on the device until a log step.
@@ -271,6 +269,8 @@ def main():
             exit_if_diverged(state["step"], state["loss_window"][0], grad_norm.item())
             # Each rank holds different stages, so every rank writes its own part of the checkpoint.
             save_checkpoint(exp_dir, state, param_shapes, stages, optimizer, lr_schedule)
+        if profiler is not None:
+            profiler.step()
         if stop:
             break
 
@@ -1097,11 +1097,15 @@ def exit_if_diverged(step, loss, grad_norm):
 # --- Signals: a scheduler's warning or Ctrl-C ends the run after a step, with a checkpoint ---
 
 
-def start_profiler(exp_dir, start_step, device):
+def start_profiler(exp_dir, start_step, total_steps, device):
     """--profile: torch.profiler records steps start_step + 3 and + 4 of this launch (one step to wait, one to
     warm up) and writes one Chrome trace per rank to <experiment>/profile/ (open it in https://ui.perfetto.dev):
     the CPU's operators, the GPU's kernels, and the collectives with their sizes."""
     rank = int(os.environ.get("RANK", "0"))
+    if start_step + 4 > total_steps:
+        print(f"warning: --profile records steps {start_step + 3}-{start_step + 4} of this launch, which ends "
+              f"at step {total_steps}: nothing is profiled; pass --max-steps {start_step + 4} or more")
+        return None
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)

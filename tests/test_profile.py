@@ -41,3 +41,11 @@ def test_every_chapter_takes_the_profile_flag(chapter):
     script = load_script(CHAPTERS[chapter] / "train_llm.py")
     assert script["get_parser"]().parse_args(["--profile"]).profile
     assert not script["get_parser"]().parse_args([]).profile
+
+
+def test_a_launch_too_short_to_profile_says_so_and_trains_as_without_the_flag(launch_once, common_args):
+    run = launch_once("01", [*common_args, "-b", 8, "--max-steps", 3, "--profile"])
+    assert ("warning: --profile records steps 3-4 of this launch, which ends at step 3: nothing is profiled; "
+            "pass --max-steps 4 or more") in run.stdout
+    assert not (run.exp_dir / "profile").exists()
+    assert run.losses == launch_once("01", [*common_args, "-b", 8, *STEPS]).losses[:3]

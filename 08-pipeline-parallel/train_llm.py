@@ -1100,24 +1100,28 @@ def exit_if_diverged(step, loss, grad_norm):
 def start_profiler(exp_dir, start_step, total_steps, device):
     """--profile: torch.profiler records steps start_step + 3 and + 4 of this launch (one step to wait, one to
     warm up) and writes one Chrome trace per rank to <experiment>/profile/ (open it in https://ui.perfetto.dev):
-    the CPU's operators, the GPU's kernels, and the collectives with their sizes."""
+    the CPU's operators with their input shapes, the GPU's kernels, and the collectives."""
     rank = int(os.environ.get("RANK", "0"))
+    steps = f"steps {start_step + 3}-{start_step + 4}"
     if start_step + 4 > total_steps:
-        print(f"warning: --profile records steps {start_step + 3}-{start_step + 4} of this launch, which ends "
-              f"at step {total_steps}: nothing is profiled; pass --max-steps {start_step + 4} or more")
+        print(f"warning: --profile records {steps} of this launch, which ends at step {total_steps}: nothing "
+              "is profiled; launch with 4 or more steps to go")
         return None
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
 
     def write_trace(profiler):
+        # (called after the 4th step, or by stop() when a signal ended the launch before: then nothing is whole)
+        if profiler.step_num < 4:
+            print(f"rank {rank}: the launch stopped before the end of {steps}: nothing profiled")
+            return
         path = os.path.join(exp_dir, "profile", f"rank-{rank}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         profiler.export_chrome_trace(path)
-        print(f"rank {rank}: steps {start_step + 3}-{start_step + 4} profiled (their tokens_per_s includes the "
-              f"profiler's cost): {path}")
+        print(f"rank {rank}: {steps} profiled (their tokens_per_s includes the profiler's cost): {path}")
 
-    profiler = torch.profiler.profile(activities=activities, on_trace_ready=write_trace,
+    profiler = torch.profiler.profile(activities=activities, on_trace_ready=write_trace, record_shapes=True,
                                       schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1))
     profiler.start()
     return profiler

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import CHAPTERS
+from conftest import CHAPTERS, INJECT, inject_env
 from launching import load_script
 
 STEPS = ["--max-steps", 5]
@@ -46,6 +46,15 @@ def test_every_chapter_takes_the_profile_flag(chapter):
 def test_a_launch_too_short_to_profile_says_so_and_trains_as_without_the_flag(launch_once, common_args):
     run = launch_once("01", [*common_args, "-b", 8, "--max-steps", 3, "--profile"])
     assert ("warning: --profile records steps 3-4 of this launch, which ends at step 3: nothing is profiled; "
-            "pass --max-steps 4 or more") in run.stdout
+            "launch with 4 or more steps to go") in run.stdout
     assert not (run.exp_dir / "profile").exists()
     assert run.losses == launch_once("01", [*common_args, "-b", 8, *STEPS]).losses[:3]
+
+
+def test_a_launch_stopped_before_step_4_says_nothing_was_profiled(launch_once, common_args):
+    """A SIGTERM after step 3 ends the launch inside the recorded steps: no half trace, and a line that says so."""
+    run = launch_once("01", [*common_args, "-b", 8, *STEPS, "--profile"], script=INJECT, expect_ok=False,
+                      env=inject_env("01", "sigterm", after_step=3))
+    assert run.returncode == 1, run.stderr[-2000:]
+    assert "rank 0: the launch stopped before the end of steps 3-4: nothing profiled" in run.stdout
+    assert not (run.exp_dir / "profile").exists()

@@ -1,12 +1,13 @@
 """Draw one profiled step of every rank as a timeline, from the Chrome traces that a chapter's --profile writes:
 a row of compute (forward, backward, optimizer) and a row of communication (the collectives and sends) per rank.
 
-    torchrun --nproc_per_node=2 ../../02-distributed-data-parallel/train_llm.py --profile --max-steps 4 -e ddp
+    torchrun --nproc_per_node=2 ../../02-distributed-data-parallel/train_llm.py --profile --max-steps 5 -e ddp
     python timeline.py outputs/ddp/profile -o ddp-timeline.png --title "chapter 02, DDP"
 
 The step drawn is the last one profiled (the launch's step 4). Time 0 is the earliest start of that step on any
-rank: one machine's ranks share a clock, so a rank that waits for another shows the wait. On a GPU the kernels
-get a row of their own per rank.
+rank: one machine's ranks share a clock, so a rank that waits for another shows the wait (across nodes the
+clocks may differ by more than a step's collectives). On a GPU the kernels get a row of their own per rank.
+Draw a fresh profile/ folder: rank files left there by an earlier launch with more ranks would be drawn too.
 """
 import argparse
 import json
@@ -37,44 +38,64 @@ def load_bars(profile_dir):
     return {rank: classify(step, events, origin) for rank, (step, events) in steps.items()}
 
 
+GPU_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
 def step_events(trace_path):
-    """The last ProfilerStep event of a trace and every complete event that starts within it."""
+    """The last ProfilerStep of a trace (the training thread's annotation) and the events within it: the CPU's
+    within its span, the GPU's within the GPU's copy of it (the kernels run after the CPU launched them)."""
     events = [event for event in json.loads(trace_path.read_text())["traceEvents"] if event.get("ph") == "X"]
-    step = max((event for event in events if event["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
-    end = step["ts"] + step["dur"]
-    return step, [event for event in events if step["ts"] <= event["ts"] <= end and event is not step]
+
+    def last_step(category):
+        steps = [e for e in events if e["name"].startswith("ProfilerStep#") and e.get("cat") == category]
+        return max(steps, key=lambda e: e["ts"]) if steps else None
+
+    step = last_step("user_annotation")
+    gpu_step = last_step("gpu_user_annotation") or step
+
+    def within(event, span):
+        return span["ts"] <= event["ts"] <= span["ts"] + span["dur"] and event is not span
+
+    return step, [event for event in events
+                  if within(event, gpu_step if event.get("cat") in GPU_EVENTS else step)
+                  and event.get("cat") != "gpu_user_annotation"]
 
 
 def classify(step, events, origin):
-    """Collectives and point-to-point sends (gloo:..., nccl:...) on any thread are communication; the operators
-    of the training thread that no other operator contains are compute, in the phase they run in: backward
-    inside autograd's functions, optimizer inside Optimizer.step, forward before the first backward, other
-    after it (the gradient norm and clipping, the loss bookkeeping); GPU kernels, a row of their own."""
+    """Collectives and point-to-point sends (gloo:..., nccl:..., as the CPU calls them) are communication; the
+    operators of the threads that train (the step's thread, and autograd's where backward runs) that no other
+    operator contains are compute, in the phase they run in: backward inside autograd's functions, optimizer
+    inside Optimizer.step, forward before the last backward ends (a pipeline interleaves them), other after it
+    (the gradient norm and clipping, logging, a checkpoint); GPU kernels and copies get a row of their own, NCCL's
+    kernels coloured as communication."""
     def spans(prefix):
         return [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith(prefix)]
 
     backward, optimizer = spans("autograd::engine::evaluate_function"), spans("Optimizer.step")
+    backward_end = max((end for _, end in backward), default=float("-inf"))
+    training_threads = {step["tid"]} | {e["tid"] for e in events
+                                        if e["name"].startswith("autograd::engine::evaluate_function")}
     bars = []
     for event in events:
         start, duration = (event["ts"] - origin) / 1000, event["dur"] / 1000
         if event["name"].split(":")[0] in ("gloo", "nccl"):
             bars.append(("communication", "communication", start, duration, event["name"]))
-        elif event.get("cat") == "kernel":
+        elif event.get("cat") in GPU_EVENTS:
             kind = "communication" if "nccl" in event["name"].lower() else "gpu kernels"
             bars.append(("gpu kernels", kind, start, duration, event["name"]))
-    operators = sorted((e for e in events if e.get("cat") == "cpu_op" and e["tid"] == step["tid"]
-                        and e["name"].startswith("aten::")), key=lambda e: (e["ts"], -e["dur"]))
-    covered_until = float("-inf")
+    operators = sorted((e for e in events if e.get("cat") == "cpu_op" and e["tid"] in training_threads
+                        and e["name"].startswith("aten::")), key=lambda e: (e["tid"], e["ts"], -e["dur"]))
+    covered_until = {}
     for event in operators:
-        if event["ts"] < covered_until:
-            continue  # inside the operator before it
-        covered_until = event["ts"] + event["dur"]
+        if event["ts"] < covered_until.get(event["tid"], float("-inf")):
+            continue  # inside the operator before it on its thread
+        covered_until[event["tid"]] = event["ts"] + event["dur"]
         middle = event["ts"] + event["dur"] / 2
         if any(start <= middle <= end for start, end in optimizer):
             phase = "optimizer"
         elif any(start <= middle <= end for start, end in backward):
             phase = "backward"
-        elif not backward or middle < min(start for start, _ in backward):
+        elif middle < backward_end or not backward:
             phase = "forward"
         else:
             phase = "other"

@@ -510,8 +510,9 @@ def clip_grad_norm(model, max_norm):
     experts' pieces never repeat (an (edp, ep) grid of them): their squares add up over all ranks."""
     expert_weights = [weight for experts in expert_modules(model) for weight in experts.parameters()
                       if weight.grad is not None]
+    expert_ids = {id(weight) for weight in expert_weights}
     other_weights = [weight for weight in model.parameters()
-                     if weight.grad is not None and all(weight is not w for w in expert_weights)]
+                     if weight.grad is not None and id(weight) not in expert_ids]
     experts_squared = torch.nn.utils.get_total_norm([weight.grad.to_local() for weight in expert_weights]) ** 2
     dist.all_reduce(experts_squared)
     others_squared = torch.nn.utils.get_total_norm([weight.grad for weight in other_weights]).full_tensor() ** 2

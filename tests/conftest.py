@@ -304,6 +304,18 @@ def launch_once(tmp_path_factory):
     return launch
 
 
+def model_launcher(launch_once, common_args, models, steps, default_model):
+    """launch(chapter, model, nproc, flags, **kwargs): a `steps`-step run of a chapter on models[model] with the
+    common flags, shared across tests (launch_once)."""
+
+    def launch(chapter, model=default_model, nproc=None, flags=("-b", 8), **kwargs):
+        args = [*common_args, "--max-steps", steps, *flags]
+        args[args.index("-m") + 1] = models[model]
+        return launch_once(chapter, args, nproc=nproc, **kwargs)
+
+    return launch
+
+
 def load_weights(hf_dir):
     """The exported model's tensors by name (fp32, CPU)."""
     from safetensors.torch import load_file

@@ -203,6 +203,8 @@ def plan(quick, model_args, steps, flash):
             *every_chapter("defaults (no flags)", [], steps=None),
             *every_chapter("--compile", ["--compile"], steps=None),
             Run("04", "--cpu-offload", ["--cpu-offload"], None),
+            # the profiler's CUDA activity (kernels in the trace), which no CPU test reaches
+            Run("04", "--profile", ["--profile"], None),
             Run("05", " ".join(offload_405b), offload_405b, None),
         ], side_by_side=True, estimate_s=100, limit_s=150),
         Stage("one at a time, 1B eager",

@@ -97,6 +97,12 @@ def shard_bytes(optimizer):
 steps_done = 0
 
 
+def count_steps(optimizer, args, kwargs):
+    """An optimizer hook for the probes that report by step: steps_done counts the steps taken."""
+    global steps_done
+    steps_done += 1
+
+
 def report_at_exit(line):
     """Print "rank r: <line()>" when the script leaves (the chapters leave through os._exit)."""
     real_exit = os._exit
@@ -189,20 +195,12 @@ elif what == "count-collectives":
                  "scatter_object_list"):
         setattr(dist, name, counted(name, getattr(dist, name)))
 
-    def count_steps(optimizer, args, kwargs):
-        global steps_done
-        steps_done += 1
-
     register_optimizer_step_post_hook(count_steps)
     report_at_exit(lambda: f"collectives {json.dumps(collectives)}")
 elif what == "applied-lr":
     def report_lr(optimizer, args, kwargs):
         sys.stdout.write(f"rank {rank}: step {steps_done + 1} lr {optimizer.param_groups[0]['lr']!r}\n")
         sys.stdout.flush()
-
-    def count_steps(optimizer, args, kwargs):
-        global steps_done
-        steps_done += 1
 
     register_optimizer_step_pre_hook(report_lr)
     register_optimizer_step_post_hook(count_steps)
@@ -233,10 +231,6 @@ elif what == "ddp-all-reduces":
         real_init(self, *args, **kwargs)
         # DDP's default all-reduce, with a count: a comm hook is DDP's public way to see each bucket's all-reduce.
         self.register_comm_hook(self.process_group, counted_hook)
-
-    def count_steps(optimizer, args, kwargs):
-        global steps_done
-        steps_done += 1
 
     DistributedDataParallel.__init__ = init_with_counting_hook
     register_optimizer_step_post_hook(count_steps)
@@ -302,10 +296,6 @@ elif what == "all-to-all-bytes":
         step = str(steps_done + 1)
         sent_by_step[step] = sent_by_step.get(step, 0) + (sum(splits) - splits[group_rank]) * row_bytes
         return real_all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, **kwargs)
-
-    def count_steps(optimizer, args, kwargs):
-        global steps_done
-        steps_done += 1
 
     dist.all_to_all_single = counted_all_to_all_single
     register_optimizer_step_post_hook(count_steps)

@@ -12,7 +12,9 @@ import pytest
 import torch
 import transformers
 
-from conftest import CHAPTERS, INJECT, assert_same_training, inject_env, run_chapter, write_tiny_model
+from conftest import (
+    CHAPTERS, INJECT, assert_same_training, inject_env, model_launcher, run_chapter, write_tiny_model,
+)
 from launching import load_script
 
 STEPS = 12
@@ -41,13 +43,7 @@ def models(tiny_model, tmp_path_factory):
 def launch(launch_once, common_args, models):
     """A STEPS-step run of a chapter with one of the models, shared across tests (chapter 01's Llama run is
     also tests/test_04_fsdp.py's reference)."""
-
-    def launch_chapter(chapter, model="llama", nproc=None, flags=("-b", 8), **kwargs):
-        args = [*common_args, "--max-steps", STEPS, *flags]
-        args[args.index("-m") + 1] = models[model]
-        return launch_once(chapter, args, nproc=nproc, **kwargs)
-
-    return launch_chapter
+    return model_launcher(launch_once, common_args, models, STEPS, "llama")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

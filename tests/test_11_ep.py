@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from conftest import (
-    CHAPTERS, INJECT, assert_same_training, inject_env, run_chapter, write_tiny_model,
+    CHAPTERS, INJECT, assert_same_training, inject_env, model_launcher, run_chapter, write_tiny_model,
 )
 from launching import load_script
 
@@ -47,13 +47,7 @@ def models(tmp_path_factory):
 @pytest.fixture
 def launch(launch_once, common_args, models):
     """A STEPS-step run of a chapter with one of the MoEs, shared across tests."""
-
-    def launch_chapter(chapter, model="mixtral", nproc=None, flags=("-b", 8), **kwargs):
-        args = [*common_args, "--max-steps", STEPS, *flags]
-        args[args.index("-m") + 1] = models[model]
-        return launch_once(chapter, args, nproc=nproc, **kwargs)
-
-    return launch_chapter
+    return model_launcher(launch_once, common_args, models, STEPS, "mixtral")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

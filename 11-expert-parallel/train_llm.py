@@ -139,13 +139,7 @@ def main():
     # Compile AFTER sharding: the all-gathers and reduce-scatters run in FSDP's hooks around each block.
     if args.compile:
         model.compile()
-    wandb_run = None
-    if args.wandb and rank == 0:
-        import wandb
-
-        # id + resume="allow": a relaunch of the same experiment continues the same wandb run.
-        wandb_run = wandb.init(project="distributed-training-guide", name=args.experiment_name,
-                               id=args.experiment_name, resume="allow", dir=exp_dir, config=vars(args))
+    wandb_run = start_wandb(args, exp_dir) if args.wandb and rank == 0 else None
 
     peak_flops = peak_flops_per_second(device)
     if rank == 0 and peak_flops is not None:
@@ -655,17 +649,6 @@ def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes,
     return state
 
 
-def rng_state():
-    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    return {"cpu": torch.get_rng_state(), "cuda": cuda_state}
-
-
-def set_rng_state(saved):
-    torch.set_rng_state(saved["cpu"])
-    if torch.cuda.is_available() and saved["cuda"] is not None:
-        torch.cuda.set_rng_state(saved["cuda"])
-
-
 def export_hf(hf_dir, model, tokenizer):
     """Write the trained model in Hugging Face format: AutoModelForCausalLM.from_pretrained(hf_dir) loads it."""
     # Rank 0 gathers the full weights into CPU memory one tensor at a time and holds them until they are written.
@@ -754,13 +737,6 @@ def get_parser():
     return parser
 
 
-def default_compute_dtype(device):
-    # Not emulated: a GPU older than Ampere has no bf16 tensor cores, and emulated bf16 is slower than fp32.
-    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
-        return "bfloat16"
-    return "float32"
-
-
 def load_config_and_tokenizer(args):
     """-m's config and tokenizer, or the tiny Mixtral's with a byte tokenizer (nothing to download)."""
     if args.model_name is None:
@@ -782,9 +758,6 @@ def tiny_moe_config():
         num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024,
         bos_token_id=None, eos_token_id=1, pad_token_id=0,
     )
-
-
-DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 def load_and_pack(args, tokenizer):
@@ -827,23 +800,6 @@ def load_and_pack(args, tokenizer):
     return packed
 
 
-def load_raw_dataset(name, subset):
-    """A Hub dataset's train and validation splits, or a local .txt/.json/.jsonl/.parquet/.csv file or folder
-    (a train split only, but for a folder's validation files)."""
-    if os.path.isfile(name):
-        check_data_file(name)
-    with exit_on_error(f"cannot load dataset {name!r}", "pass a Hugging Face dataset id (and --dataset-subset if "
-                       "it has several), or a local file or folder"):
-        if os.path.isfile(name):
-            builder = DATA_FILE_BUILDERS[os.path.splitext(name)[1]]
-            return [datasets.load_dataset(builder, data_files=name, split="train"), None]
-        train = datasets.load_dataset(name, subset, split="train")
-    try:
-        return [train, datasets.load_dataset(name, subset, split="validation")]
-    except ValueError:  # (datasets' answer for a split the dataset does not have)
-        return [train, None]
-
-
 def hold_out_validation(data, val_data, global_batch_size, args):
     """The training rows and the validation rows, as whole global batches. Without a validation split,
     --val-fraction of the rows (at least one global batch) are drawn by --seed and held out: the same rows in
@@ -874,6 +830,49 @@ def count_label_tokens(rows):
     return rows["input_ids"][:, 1:].size
 
 
+def training_flops_per_token(model, config, seq_length):
+    """6 FLOPs per matmul weight per token (2 forward, 4 backward), plus the attention scores
+    (12 * layers * hidden * seq_length, PaLM appendix B). Every weight is a matmul weight except the input
+    embedding (a lookup); a tied output head is that same tensor used again, as a matmul. A token passes
+    through top-k of a layer's experts: only that fraction of the experts' weights works on it."""
+    embedding = model.get_input_embeddings().weight
+    expert_weights = {id(p): p for experts in expert_modules(model) for p in experts.parameters()}
+    num_matmul_params = sum(p.numel() for p in model.parameters()
+                            if p is not embedding and id(p) not in expert_weights)
+    num_expert_params = sum(p.numel() for p in expert_weights.values())
+    num_matmul_params += num_expert_params * experts_per_token(config) // num_experts(model)
+    if model.get_output_embeddings().weight is embedding:
+        num_matmul_params += embedding.numel()
+    return 6 * num_matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_length
+
+
+def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
+    """Multiplier of the peak learning rate: linear warmup, then one cosine down to final_fraction at the end."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def epoch_order(num_rows, seed, epoch):
+    return np.random.default_rng([seed, epoch]).permutation(num_rows)
+
+
+
+# ============================================================================================================
+# The plumbing, the same in every chapter (inputs, logs, checks, errors, signals, checkpoints, exit): skip it.
+
+
+# --- Inputs and records: the offline corpus, data files, RNG states, the GPU's peak, the metrics file ---
+
+
+def default_compute_dtype(device):
+    # Not emulated: a GPU older than Ampere has no bf16 tensor cores, and emulated bf16 is slower than fp32.
+    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    return "float32"
+
+
 def tiny_corpus(num_documents=4000, seed=1234):
     """Short stories with structure a tiny model can learn in a minute: templates, names and sums."""
     rng = random.Random(seed)
@@ -891,20 +890,61 @@ def tiny_corpus(num_documents=4000, seed=1234):
     return documents
 
 
-def training_flops_per_token(model, config, seq_length):
-    """6 FLOPs per matmul weight per token (2 forward, 4 backward), plus the attention scores
-    (12 * layers * hidden * seq_length, PaLM appendix B). Every weight is a matmul weight except the input
-    embedding (a lookup); a tied output head is that same tensor used again, as a matmul. A token passes
-    through top-k of a layer's experts: only that fraction of the experts' weights works on it."""
-    embedding = model.get_input_embeddings().weight
-    expert_weights = {id(p): p for experts in expert_modules(model) for p in experts.parameters()}
-    num_matmul_params = sum(p.numel() for p in model.parameters()
-                            if p is not embedding and id(p) not in expert_weights)
-    num_expert_params = sum(p.numel() for p in expert_weights.values())
-    num_matmul_params += num_expert_params * experts_per_token(config) // num_experts(model)
-    if model.get_output_embeddings().weight is embedding:
-        num_matmul_params += embedding.numel()
-    return 6 * num_matmul_params + 12 * config.num_hidden_layers * config.hidden_size * seq_length
+DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_raw_dataset(name, subset):
+    """A Hub dataset's train and validation splits, or a local .txt/.json/.jsonl/.parquet/.csv file or folder
+    (a train split only, but for a folder's validation files)."""
+    if os.path.isfile(name):
+        check_data_file(name)
+    with exit_on_error(f"cannot load dataset {name!r}", "pass a Hugging Face dataset id (and --dataset-subset if "
+                       "it has several), or a local file or folder"):
+        if os.path.isfile(name):
+            builder = DATA_FILE_BUILDERS[os.path.splitext(name)[1]]
+            return [datasets.load_dataset(builder, data_files=name, split="train"), None]
+        train = datasets.load_dataset(name, subset, split="train")
+    try:
+        return [train, datasets.load_dataset(name, subset, split="validation")]
+    except ValueError:  # (datasets' answer for a split the dataset does not have)
+        return [train, None]
+
+
+def rng_state():
+    cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return {"cpu": torch.get_rng_state(), "cuda": cuda_state}
+
+
+def set_rng_state(saved):
+    torch.set_rng_state(saved["cpu"])
+    if torch.cuda.is_available() and saved["cuda"] is not None:
+        torch.cuda.set_rng_state(saved["cuda"])
+
+
+def to_device(rows, device):
+    batch = torch.from_numpy(rows)
+    # Only a copy from pinned (page-locked) memory overlaps the GPU's work: from ordinary memory it blocks the CPU.
+    if device.type == "cuda":
+        batch = batch.pin_memory()
+    return batch.to(device, non_blocking=True)
+
+
+def start_wandb(args, exp_dir):
+    import wandb
+
+    # id + resume="allow": a relaunch of the same experiment continues the same wandb run.
+    return wandb.init(project="distributed-training-guide", name=args.experiment_name, id=args.experiment_name,
+                      resume="allow", dir=exp_dir, config=vars(args))
+
+
+def truncate_metrics(path, after_step):
+    """After a resume, drop the lines that the interrupted run logged past its last checkpoint."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after_step]
+    with open(path, "w") as f:
+        f.writelines(kept)
 
 
 # Dense bf16 tensor-core peaks from the datasheets (without sparsity). The first name found in the GPU's name
@@ -924,36 +964,6 @@ def peak_flops_per_second(device):
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
-def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
-    """Multiplier of the peak learning rate: linear warmup, then one cosine down to final_fraction at the end."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def truncate_metrics(path, after_step):
-    """After a resume, drop the lines that the interrupted run logged past its last checkpoint."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after_step]
-    with open(path, "w") as f:
-        f.writelines(kept)
-
-
-def epoch_order(num_rows, seed, epoch):
-    return np.random.default_rng([seed, epoch]).permutation(num_rows)
-
-
-def to_device(rows, device):
-    batch = torch.from_numpy(rows)
-    # Only a copy from pinned (page-locked) memory overlaps the GPU's work: from ordinary memory it blocks the CPU.
-    if device.type == "cuda":
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
-
-
 def peak_memory_gb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -967,10 +977,6 @@ def log_metrics(path, metrics, progress):
         f.write(json.dumps(metrics) + "\n")
     progress.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}")
     progress.write(" | ".join(f"{k} {v:.6g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()))
-
-
-# ============================================================================================================
-# The plumbing, the same in every chapter (checks, one-line errors, signals, safe checkpoints, exit): skip it.
 
 
 # --- Arguments and inputs: what argparse and the libraries would report late, or in a traceback ---

@@ -158,13 +158,11 @@ def test_chapter_01s_band_is_chapter_02s_less_what_several_processes_need():
 def test_the_lesson_comes_first_and_keeps_only_the_techniques_own_errors(chapter):
     text = lesson(chapter)
     if chapter == "01":
-        # (350 before gradient accumulation and the validation loss, whose data helpers are lesson)
-        assert len([line for line in text.splitlines() if line.strip()]) <= 440
+        assert len([line for line in text.splitlines() if line.strip()]) <= 350
     else:
         first_call = next(number for number, line in enumerate(script(chapter).splitlines(), 1)
                           if TECHNIQUE_CALL[chapter] in line)
-        # (330 before --profile's lines in main)
-        assert first_call <= 340, first_call
+        assert first_call <= 330, first_call
     errors = re.findall(r"\berror: ", text)
     assert len(errors) <= MOST_ERRORS_ABOVE_THE_RULE[chapter], len(errors)
 

@@ -36,6 +36,15 @@ def test_a_readme_that_shows_hunks_gives_the_command_for_the_whole_diff(readme):
         )
 
 
+@pytest.mark.parametrize("readme", sorted({block[0] for block in BLOCKS}), ids=lambda r: r.parent.name)
+def test_no_two_blocks_of_a_readme_show_the_same_lines(readme):
+    # (two anchors in hunks that a shorter change merged into one would show the reader the same lines twice)
+    hunks = [(old, new, name, line) for old, new, name, *_, shown in diff_blocks(readme)
+             for line in shown.splitlines() if line.startswith("@@")]
+    repeated = sorted({hunk for hunk in hunks if hunks.count(hunk) > 1})
+    assert not repeated, f"{readme.relative_to(ROOT)} shows these hunks twice: {repeated}"
+
+
 # A python block a README takes from a file says so: <!-- quote path/to/file.py --> on the line before it.
 PYTHON_BLOCK = re.compile(r"(?:<!-- quote (\S+) -->\n)?```python\n(.*?)```\n", re.DOTALL)
 # The repository's own scripts and tools (git's list: not a virtual environment or outputs inside the clone).

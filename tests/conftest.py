@@ -264,6 +264,14 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe(tmp_path_factory):
+    """A tiny Mixtral (2 layers, 4 experts, each token taking 2, 2 key/value heads): chapter 11 refuses dense
+    models."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), architecture="mixtral", num_local_experts=4,
+                            num_experts_per_tok=2, num_hidden_layers=2, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="session")
 def four_layer_models(tmp_path_factory):
     """Tiny models deep enough for 4 pipeline stages: a Llama, a Qwen3 whose embedding is its output head, and a
     Granite, which scales its embeddings and logits outside the layers."""
@@ -274,6 +282,21 @@ def four_layer_models(tmp_path_factory):
         "granite": write_tiny_model(tmp_path_factory.mktemp("granite-4-layers"), architecture="granite",
                                     num_hidden_layers=4),
     }
+
+
+@pytest.fixture(scope="session")
+def prompted_dataset(tmp_path_factory):
+    """A .jsonl of prompt/text pairs whose prompts (never labels) have very different lengths: packed rows then
+    hold very different numbers of label tokens."""
+    words = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "sings", "fast", "slow", "here"]
+    lines = []
+    for index in range(600):
+        prompt = " ".join(words[(index + i) % 12] for i in range(1 + 4 * (index % 3)))
+        text = " ".join(words[(index * 7 + i) % 12] for i in range(3 + index % 5)) + "."
+        lines.append(json.dumps({"prompt": prompt + " ->", "text": text}))
+    path = tmp_path_factory.mktemp("prompted") / "prompted.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -373,28 +373,14 @@ def test_k_micro_batches_of_b_train_as_one_batch_of_k_times_b(reference, common_
     assert_same_training(accumulated, reference, 8)
 
 
-def prompted_dataset(path):
-    """A .jsonl of prompt/text pairs whose prompts (never labels) have very different lengths: packed rows then
-    hold very different numbers of label tokens."""
-    words = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "sings", "fast", "slow", "here"]
-    lines = []
-    for index in range(600):
-        prompt = " ".join(words[(index + i) % 12] for i in range(1 + 4 * (index % 3)))
-        text = " ".join(words[(index * 7 + i) % 12] for i in range(3 + index % 5)) + "."
-        lines.append(json.dumps({"prompt": prompt + " ->", "text": text}))
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
 def test_with_masked_prompts_the_loss_is_the_mean_over_label_tokens_not_over_micro_batches(
-    common_args, launch_once, tmp_path_factory
+    common_args, launch_once, prompted_dataset
 ):
     """With a prompt column, prompt tokens get label -100: micro-batches hold different numbers of label tokens
     (counted here from what the loss was computed on), so the mean of each micro-batch's mean over K would
     weigh their tokens unequally. Summing token losses over the global batch's count keeps K=4 x -b 2 equal to
     one batch of 8."""
-    data = prompted_dataset(tmp_path_factory.mktemp("prompted") / "prompted.jsonl")
-    args = [*common_args, "-d", data, "--max-steps", 4]
+    args = [*common_args, "-d", prompted_dataset, "--max-steps", 4]
     whole = launch_once("01", args)
     accumulated = launch_once("01", [*args, "-b", 2, "--grad-accum-steps", 4], script=INJECT,
                               env=inject_env("01", "label-counts"))

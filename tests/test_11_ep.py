@@ -32,12 +32,11 @@ MOE_SIZES = dict(num_hidden_layers=2, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
+def models(tiny_moe, tmp_path_factory):
     """Two tiny MoEs of 4 experts, each token taking 2: a Mixtral and a Qwen3-MoE (q/k norms, grouped-query
     attention, experts of their own width, top-k weights renormalised)."""
     return {
-        "mixtral": write_tiny_model(tmp_path_factory.mktemp("mixtral"), architecture="mixtral",
-                                    num_local_experts=4, num_experts_per_tok=2, **MOE_SIZES),
+        "mixtral": tiny_moe,
         "qwen3-moe": write_tiny_model(tmp_path_factory.mktemp("qwen3-moe"), architecture="qwen3_moe",
                                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                       norm_topk_prob=True, **MOE_SIZES),

@@ -3,7 +3,7 @@ once over the ranks (data-parallel slices, tensor-parallel shards, pipeline stag
 averaged over all their label tokens."""
 import pytest
 
-from conftest import load_weights, run_chapter, write_tiny_model
+from conftest import load_weights, run_chapter
 
 # One step at a learning rate that moves no fp32 weight (1e-30 x an Adam update of about 1, beside weights of
 # 1e-2 whose last bit is 1e-9), so the evaluation at the end reads the pretrained weights in every chapter.
@@ -24,12 +24,6 @@ LAYOUTS = {
 MOE_CHAPTERS = {"11"}
 # fp32 rounding of the sums in another order: the loss is about 5.6, where one float32 step is 4.8e-7.
 VAL_LOSS_TOLERANCE = 1e-6
-
-
-@pytest.fixture(scope="module")
-def tiny_moe(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), architecture="mixtral", num_local_experts=4,
-                            num_experts_per_tok=2, num_hidden_layers=2, num_key_value_heads=2)
 
 
 @pytest.mark.parametrize("chapter", LAYOUTS)

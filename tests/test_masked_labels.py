@@ -1,0 +1,41 @@
+"""With masked prompts, every chapter's accumulated step is chapter 01's one batch: the loss of a step is the
+mean over the label tokens of the whole global batch, counted over all ranks and micro-batches.
+
+The data is conftest's prompted_dataset: prompt tokens get label -100, so micro-batches hold very different
+numbers of label tokens (tests/test_01_single_gpu.py counts them on this data), and the mean of each
+micro-batch's or each rank's mean would weigh their tokens unequally. Each chapter runs at chapter 01's global
+batch of 8 with at least 2 micro-batches on every rank, and every layout splits the rows, the tokens or the
+model as the chapter does: data-parallel ranks, tensor-parallel shards, pipeline stages, sequence chunks,
+experts.
+"""
+import pytest
+
+from conftest import assert_same_training
+
+STEPS = 4
+# chapter: (processes, flags), each -b x --grad-accum-steps x data-parallel ranks = 8
+LAYOUTS = {
+    "02": (2, ["-b", 2, "--grad-accum-steps", 2]),
+    "04": (2, ["-b", 2, "--grad-accum-steps", 2]),
+    "05": (2, ["-b", 2, "--grad-accum-steps", 2]),
+    "06": (2, ["-b", 4, "--grad-accum-steps", 2]),
+    "07": (4, ["-b", 2, "--grad-accum-steps", 2, "--tp", 2]),
+    "08": (2, ["-b", 4, "--grad-accum-steps", 2, "--num-microbatches", 2]),
+    "09": (4, ["-b", 2, "--grad-accum-steps", 2, "--pp", 2, "--dp", 2, "--tp", 1, "--num-microbatches", 2]),
+    "10": (4, ["-b", 2, "--grad-accum-steps", 2, "--cp", 2]),
+    "11": (4, ["-b", 1, "--grad-accum-steps", 2, "--ep", 2, "--aux-loss-coef", 0]),
+}
+# Chapter 11 refuses a dense model: it and its chapter 01 reference run a tiny Mixtral.
+MOE_CHAPTERS = {"11"}
+
+
+@pytest.mark.parametrize("chapter", LAYOUTS)
+def test_with_masked_prompts_accumulated_steps_on_several_ranks_equal_one_batch(
+    chapter, common_args, prompted_dataset, tiny_model, tiny_moe, launch_once
+):
+    nproc, flags = LAYOUTS[chapter]
+    args = [*common_args, "-d", prompted_dataset, "--max-steps", STEPS]
+    args[args.index("-m") + 1] = tiny_moe if chapter in MOE_CHAPTERS else tiny_model
+    # On the Llama, chapter 01 with these flags is also test_01's masked-prompt run: launch_once runs it once.
+    reference = launch_once("01", args)
+    assert_same_training(launch_once(chapter, [*args, *flags], nproc=nproc), reference, STEPS)

@@ -589,7 +589,6 @@ def epoch_order(num_rows, seed, epoch):
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
 
-
 # ============================================================================================================
 # The plumbing, the same in every chapter (inputs, logs, checks, errors, signals, checkpoints, exit): skip it.
 
@@ -664,8 +663,8 @@ def start_wandb(args, exp_dir):
     import wandb
 
     # id + resume="allow": a relaunch of the same experiment continues the same wandb run.
-    return wandb.init(project="distributed-training-guide", name=args.experiment_name, id=args.experiment_name,
-                      resume="allow", dir=exp_dir, config=vars(args))
+    return wandb.init(project="distributed-training-guide", name=args.experiment_name,
+                      id=args.experiment_name, resume="allow", dir=exp_dir, config=vars(args))
 
 
 def truncate_metrics(path, after_step):

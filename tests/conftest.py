@@ -263,12 +263,31 @@ def tiny_model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+# The tiny MoEs' depth and key/value heads (their experts vary by test).
+MOE_SIZES = dict(num_hidden_layers=2, num_key_value_heads=2)
+# Chapter 11 refuses a dense model: in the tests that run every chapter, it and its chapter 01 reference train
+# a tiny Mixtral.
+MOE_ONLY_CHAPTERS = {"11"}
+
+
 @pytest.fixture(scope="session")
 def tiny_moe(tmp_path_factory):
-    """A tiny Mixtral (2 layers, 4 experts, each token taking 2, 2 key/value heads): chapter 11 refuses dense
-    models."""
+    """A tiny Mixtral (2 layers, 4 experts, each token taking 2, 2 key/value heads)."""
     return write_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), architecture="mixtral", num_local_experts=4,
-                            num_experts_per_tok=2, num_hidden_layers=2, num_key_value_heads=2)
+                            num_experts_per_tok=2, **MOE_SIZES)
+
+
+@pytest.fixture(scope="session")
+def model_for(tiny_model, tiny_moe):
+    """chapter -> the tiny model it trains in the tests that run every chapter."""
+    return lambda chapter: tiny_moe if chapter in MOE_ONLY_CHAPTERS else tiny_model
+
+
+def with_model(args, model):
+    """The flags with -m's value replaced by model."""
+    args = list(args)
+    args[args.index("-m") + 1] = model
+    return args
 
 
 @pytest.fixture(scope="session")
@@ -332,8 +351,7 @@ def model_launcher(launch_once, common_args, models, steps, default_model):
     common flags, shared across tests (launch_once)."""
 
     def launch(chapter, model=default_model, nproc=None, flags=("-b", 8), **kwargs):
-        args = [*common_args, "--max-steps", steps, *flags]
-        args[args.index("-m") + 1] = models[model]
+        args = with_model([*common_args, "--max-steps", steps, *flags], models[model])
         return launch_once(chapter, args, nproc=nproc, **kwargs)
 
     return launch

@@ -14,7 +14,8 @@ import torch
 import transformers
 
 from conftest import (
-    CHAPTERS, INJECT, assert_same_training, inject_env, model_launcher, run_chapter, write_tiny_model,
+    CHAPTERS, INJECT, MOE_SIZES, assert_same_training, inject_env, model_launcher, run_chapter, with_model,
+    write_tiny_model,
 )
 from launching import load_script
 
@@ -28,7 +29,6 @@ LAYOUTS = {
 }
 NO_AUX_LOSS = ["--aux-loss-coef", 0]
 AUX_LOSS_ON = ["-b", 2, "--aux-loss-coef", 0.1]  # on 4 ranks
-MOE_SIZES = dict(num_hidden_layers=2, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +82,7 @@ MORE_FAMILIES = {
 def test_other_moe_families_match_single_process(launch_once, common_args, tmp_path_factory, architecture):
     model = write_tiny_model(tmp_path_factory.mktemp(architecture), architecture=architecture,
                              **MOE_SIZES, **MORE_FAMILIES[architecture])
-    args = [*common_args, "--max-steps", 6]
-    args[args.index("-m") + 1] = model
+    args = with_model([*common_args, "--max-steps", 6], model)
     reference = launch_once("01", [*args, "-b", 8])
     assert_same_training(launch_once("11", [*args, "-b", 4, "--ep", 2, *NO_AUX_LOSS], nproc=2), reference)
 
@@ -161,8 +160,7 @@ def test_an_ep2_checkpoint_resumes_on_other_ep_sizes(launch, common_args, models
     assert stopped.returncode == 1, stopped.stderr[-3000:]
     assert [p.name for p in (stopped.exp_dir / "checkpoints").iterdir()] == [f"step-{STOP_AFTER:08d}"]
     shutil.copytree(stopped.exp_dir, tmp_path / "outputs" / "test")
-    args = [*common_args, "--max-steps", STEPS, "--ep", ep, *AUX_LOSS_ON]
-    args[args.index("-m") + 1] = models["mixtral"]
+    args = with_model([*common_args, "--max-steps", STEPS, "--ep", ep, *AUX_LOSS_ON], models["mixtral"])
     resumed = run_chapter("11", args, tmp_path, nproc=4)
     assert f"at step {STOP_AFTER}" in resumed.stdout
     uninterrupted = launch("11", "mixtral", 4, ["--ep", 2, *AUX_LOSS_ON])
@@ -202,8 +200,7 @@ def test_bad_layouts_fail_with_one_line_on_every_rank(common_args, models, tiny_
     paths = {**models, "llama": tiny_model,
              "three-experts": write_tiny_model(tmp_path / "three", architecture="mixtral", num_local_experts=3,
                                                **MOE_SIZES)}
-    args = [*common_args, *flags]
-    args[args.index("-m") + 1] = paths[model]
+    args = with_model([*common_args, *flags], paths[model])
     run = run_chapter("11", args, tmp_path, nproc=2, expect_ok=False, timeout=90)
     assert run.returncode != 0
     assert run.worker_stderr.count(f"error: {message}") == 2, run.stderr[-3000:]

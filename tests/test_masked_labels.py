@@ -10,7 +10,7 @@ experts.
 """
 import pytest
 
-from conftest import assert_same_training
+from conftest import assert_same_training, with_model
 
 STEPS = 4
 # chapter: (processes, flags), each -b x --grad-accum-steps x data-parallel ranks = 8
@@ -25,17 +25,14 @@ LAYOUTS = {
     "10": (4, ["-b", 2, "--grad-accum-steps", 2, "--cp", 2]),
     "11": (4, ["-b", 1, "--grad-accum-steps", 2, "--ep", 2, "--aux-loss-coef", 0]),
 }
-# Chapter 11 refuses a dense model: it and its chapter 01 reference run a tiny Mixtral.
-MOE_CHAPTERS = {"11"}
 
 
 @pytest.mark.parametrize("chapter", LAYOUTS)
 def test_with_masked_prompts_accumulated_steps_on_several_ranks_equal_one_batch(
-    chapter, common_args, prompted_dataset, tiny_model, tiny_moe, launch_once
+    chapter, common_args, prompted_dataset, model_for, launch_once
 ):
     nproc, flags = LAYOUTS[chapter]
-    args = [*common_args, "-d", prompted_dataset, "--max-steps", STEPS]
-    args[args.index("-m") + 1] = tiny_moe if chapter in MOE_CHAPTERS else tiny_model
+    args = with_model([*common_args, "-d", prompted_dataset, "--max-steps", STEPS], model_for(chapter))
     # On the Llama, chapter 01 with these flags is also test_01's masked-prompt run: launch_once runs it once.
     reference = launch_once("01", args)
     assert_same_training(launch_once(chapter, [*args, *flags], nproc=nproc), reference, STEPS)

@@ -3,7 +3,7 @@ once over the ranks (data-parallel slices, tensor-parallel shards, pipeline stag
 averaged over all their label tokens."""
 import pytest
 
-from conftest import load_weights, run_chapter
+from conftest import load_weights, run_chapter, with_model
 
 # One step at a learning rate that moves no fp32 weight (1e-30 x an Adam update of about 1, beside weights of
 # 1e-2 whose last bit is 1e-9), so the evaluation at the end reads the pretrained weights in every chapter.
@@ -20,19 +20,15 @@ LAYOUTS = {
     "10": (4, ["-b", 4, "--cp", 2]),
     "11": (4, ["-b", 2, "--ep", 2]),
 }
-# Chapter 11 refuses a dense model: it and its chapter 01 reference run a tiny Mixtral.
-MOE_CHAPTERS = {"11"}
 # fp32 rounding of the sums in another order: the loss is about 5.6, where one float32 step is 4.8e-7.
 VAL_LOSS_TOLERANCE = 1e-6
 
 
 @pytest.mark.parametrize("chapter", LAYOUTS)
-def test_val_loss_equals_chapter_01s_on_the_same_weights(chapter, common_args, tiny_model, tiny_moe, launch_once,
-                                                         tmp_path):
+def test_val_loss_equals_chapter_01s_on_the_same_weights(chapter, common_args, model_for, launch_once, tmp_path):
     nproc, flags = LAYOUTS[chapter]
-    model = tiny_moe if chapter in MOE_CHAPTERS else tiny_model
-    args = [*common_args, *FROZEN]
-    args[args.index("-m") + 1] = model
+    model = model_for(chapter)
+    args = with_model([*common_args, *FROZEN], model)
     chapter_01 = launch_once("01", [*args, "-b", 8])
     run = run_chapter(chapter, [*args, *flags], tmp_path, nproc=nproc)
     # The premise: neither run moved a weight, so both evaluated the model on disk.

@@ -15,7 +15,7 @@ case "$1" in
 esac
 
 venv=/tmp/ci-venv-torch-$torch
-python3 -m venv "$venv"
+python3 -m venv --clear "$venv"
 # PIP_CONSTRAINT=/dev/null replaces a machine-wide constraint file that may cap torch below the newest release.
 PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install --quiet "torch==$torch" "transformers==$transformers" \
     $(grep -vE '^(#|torch==|transformers==)' requirements.txt)

@@ -1,6 +1,5 @@
 """Train the same model with every chapter and plot the per-step losses on top of each other.
 
-    pip install -r docs/requirements.txt
     python docs/loss_parity.py            # about 10 minutes on a 2-core CPU; writes docs/loss-parity.png
 
 Every chapter starts from the same saved weights (--from-pretrained), trains in fp32 on the built-in corpus

@@ -160,8 +160,10 @@ def synchronize(device):
 
 
 def plot(rows, path, title):
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        sys.exit("error: --plot draws with matplotlib: pip install -r requirements.txt")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

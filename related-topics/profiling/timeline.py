@@ -11,6 +11,7 @@ Draw a fresh profile/ folder: rank files left there by an earlier launch with mo
 """
 import argparse
 import json
+import sys
 from pathlib import Path
 
 COLOURS = {"forward": "tab:blue", "backward": "tab:orange", "optimizer": "tab:green", "other": "tab:gray",
@@ -104,8 +105,10 @@ def classify(step, events, origin):
 
 
 def draw(bars, out, title):
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        sys.exit("error: timeline.py draws with matplotlib: pip install -r requirements.txt")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -46,6 +46,13 @@ TINY_LLAMA = dict(
 )
 
 
+def tracked_files(pattern):
+    """The repository's files matching a git pathspec such as "*.md", from git's list: not a virtual environment
+    or outputs that a run left inside the clone."""
+    listed = subprocess.run(["git", "ls-files", pattern], cwd=ROOT, capture_output=True, text=True, check=True)
+    return [ROOT / name for name in listed.stdout.split()]
+
+
 @dataclasses.dataclass
 class Run:
     """What one launch left behind: exit code, output, and the experiment folder with metrics.jsonl."""

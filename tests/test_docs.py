@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import launching
-from conftest import ROOT, SUCCESSFUL_LAUNCHES, Launch, offline_env
+from conftest import ROOT, SUCCESSFUL_LAUNCHES, Launch, offline_env, tracked_files
 from launching import load_script
 
 # related-topics/ holds a README per topic, one level further down.
@@ -100,6 +100,29 @@ def test_top_readme_links_every_chapter_folder():
     chapters = [d.name for d in ROOT.iterdir() if d.is_dir() and re.match(r"\d\d-", d.name)]
     unlinked = [chapter for chapter in chapters if f"]({chapter}/)" not in (ROOT / "README.md").read_text()]
     assert not unlinked, f"README.md's chapter table does not link {unlinked} (still marked planned?)"
+
+
+MARKDOWN_FILES = tracked_files("*.md")
+
+
+@pytest.mark.parametrize("markdown", MARKDOWN_FILES, ids=name)
+def test_every_code_fence_closes(markdown):
+    """A fence closes only on a line of backticks alone (CommonMark): "``` More text" leaves the block open, and
+    the page renders as code down to the next fence."""
+    opened_at = None
+    for number, line in enumerate(markdown.read_text().splitlines(), 1):
+        fence = re.match(r"^\s{0,3}(`{3,})(.*)$", line)
+        if fence is None:
+            continue
+        if opened_at is None:
+            opened_at = number
+        else:
+            assert not fence[2].strip(), (
+                f"{name(markdown)}:{number}: text after a closing fence keeps the block of line {opened_at} open; "
+                "put the fence on a line of its own"
+            )
+            opened_at = None
+    assert opened_at is None, f"{name(markdown)}: the code block opened at line {opened_at} never closes"
 
 
 @pytest.mark.parametrize("readme", READMES, ids=name)

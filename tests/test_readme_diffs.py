@@ -2,10 +2,10 @@
 hunk it shows equal to the real diff, short enough to follow, and the command for the whole diff in view."""
 import functools
 import re
-import subprocess
 
 import pytest
 
+from conftest import tracked_files
 from readme_diffs import ROOT, chapter_diff, diff_blocks, readmes
 
 READMES = readmes()
@@ -48,9 +48,7 @@ def test_no_two_blocks_of_a_readme_show_the_same_lines(readme):
 # A python block a README takes from a file says so: <!-- quote path/to/file.py --> on the line before it.
 PYTHON_BLOCK = re.compile(r"(?:<!-- quote (\S+) -->\n)?```python\n(.*?)```\n", re.DOTALL)
 # The repository's own scripts and tools (git's list: not a virtual environment or outputs inside the clone).
-SOURCES = [ROOT / name for name in subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
-                                                 text=True, check=True).stdout.split()
-           if not name.startswith("tests/")]
+SOURCES = [path for path in tracked_files("*.py") if path.parent.name != "tests"]
 PYTHON_BLOCKS = [(readme, quoted, block) for readme in READMES for quoted, block in PYTHON_BLOCK.findall(
     readme.read_text())]
 

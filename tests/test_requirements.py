@@ -6,10 +6,9 @@ two commands on a fresh machine: a module that only an earlier install left behi
 import ast
 import importlib
 import re
-import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, tracked_files
 
 # Imported only where the README says to install it first, each with the reason it is not in requirements.txt.
 OPTIONAL = {
@@ -19,16 +18,11 @@ PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 IMPORT_LINE = re.compile(r"^\s*(?:import|from)\s+([A-Za-z_]\w*)", re.MULTILINE)
 
 
-def tracked(pattern):
-    listed = subprocess.run(["git", "ls-files", pattern], cwd=ROOT, capture_output=True, text=True, check=True)
-    return [ROOT / path for path in listed.stdout.split()]
-
-
 def imported_top_level_modules():
     """{module: a file that imports it} over every tracked .py file (imports inside functions too) and every
     ```python block of a README."""
     found = {}
-    for path in tracked("*.py"):
+    for path in tracked_files("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [alias.name for alias in node.names]
@@ -38,7 +32,7 @@ def imported_top_level_modules():
                 continue
             for name in names:
                 found.setdefault(name.split(".")[0], path.relative_to(ROOT))
-    for readme in tracked("*.md"):
+    for readme in tracked_files("*.md"):
         for block in PYTHON_BLOCK.findall(readme.read_text()):
             for name in IMPORT_LINE.findall(block):
                 found.setdefault(name, readme.relative_to(ROOT))
@@ -46,7 +40,7 @@ def imported_top_level_modules():
 
 
 def test_every_module_the_suite_and_the_readmes_import_is_installed_by_requirements():
-    local = {path.stem for path in tracked("*.py")}
+    local = {path.stem for path in tracked_files("*.py")}
     third_party = {name: where for name, where in imported_top_level_modules().items()
                    if name not in sys.stdlib_module_names and name not in local and name not in OPTIONAL}
     assert {"torch", "transformers", "datasets", "pytest"} <= set(third_party), "the scan found too little"

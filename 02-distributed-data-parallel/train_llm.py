@@ -1150,11 +1150,17 @@ def describe_mismatch(saved, current):
 
 
 def check_resume_step(step, total_steps, checkpoint_dir):
-    if step > total_steps:
-        sys.exit(
-            f"error: checkpoint {checkpoint_dir} is at step {step}, past the last step of this run "
-            f"({total_steps}); pass a larger --max-steps or --num-epochs, or a new -e/--experiment-name"
-        )
+    """A relaunch must have steps left to train, else it would end with status 0 having done nothing. A run that
+    saved its last step but was stopped before its export (no hf/ folder yet) resumes just to export."""
+    hf_dir = os.path.join(os.path.dirname(os.path.dirname(checkpoint_dir)), "hf")  # <exp>/checkpoints/step-N
+    if step == total_steps and os.path.isdir(hf_dir):
+        problem = f"is at step {step}, the last of this run, which has finished (its model is in {hf_dir})"
+    elif step > total_steps:
+        problem = f"is at step {step}, past the last step of this run ({total_steps})"
+    else:
+        return
+    sys.exit(f"error: checkpoint {checkpoint_dir} {problem}; pass a larger --max-steps or --num-epochs to train "
+             "on, or a new -e/--experiment-name for a new run")
 
 
 # --- The exit: one line for every error we can name, and no teardown that can hang or crash ---

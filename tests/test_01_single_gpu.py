@@ -231,6 +231,8 @@ RESUME_CHANGES = {
     # nothing left to train, and no export: it would end with status 0 having done nothing
     "fewer-steps": (["--max-steps", 4],
                     "is at step 8, past the last step of this run (4); pass a larger --max-steps"),
+    # the same command again: the run has finished and exported, so there is nothing to do
+    "finished": ([], "is at step 8, the last of this run, which has finished (its model is in "),
 }
 
 
@@ -248,6 +250,14 @@ def test_resuming_with_another_model_or_data_fails_and_keeps_the_checkpoint(case
     assert_fails_with_one_line(run, message, cost)
     assert hashlib.sha256(checkpoint.read_bytes()).hexdigest() == before
     assert len(run.losses) == 8, "the failed launch must not touch metrics.jsonl"
+
+
+def test_a_finished_run_stopped_before_its_export_exports_when_relaunched(reference, common_args, tmp_path):
+    shutil.copytree(reference.exp_dir, tmp_path / "outputs" / "reference")
+    shutil.rmtree(tmp_path / "outputs" / "reference" / "hf")
+    run = run_chapter("01", [*common_args, *EXACT], tmp_path, experiment="reference")
+    assert run.losses == reference.losses, "nothing trains again"
+    assert max_weight_diff(run.exp_dir / "hf", reference.exp_dir / "hf") == 0
 
 
 def test_a_relaunch_with_more_steps_trains_on_over_the_stretched_schedule(reference, common_args, tmp_path):

@@ -65,6 +65,10 @@ UNRESUMABLE = {
     "fewer-steps-04": ("04", [], "04", ["--max-steps", 1],
                        r"error: checkpoint [^\n]*step-00000002 is at step 2, past the last step of this run "
                        r"\(1\); [^\n]*"),
+    # the same command after the run finished (a reader's next command reusing the default -e)
+    "finished-10": ("10", ["--cp", 2], "10", [],
+                    r"error: checkpoint [^\n]*step-00000002 is at step 2, the last of this run, which has finished "
+                    r"\(its model is in [^\n]*hf\); pass a larger --max-steps [^\n]*-e/--experiment-name for a new run"),
 }
 
 

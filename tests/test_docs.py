@@ -159,6 +159,30 @@ def test_readme_command_runs(readme, command, needs, tmp_path):
         SUCCESSFUL_LAUNCHES.append(launch)
 
 
+@pytest.mark.parametrize("readme", READMES, ids=name)
+def test_commands_that_train_different_runs_name_different_experiments(readme):
+    """Two commands under one -e are one run: the second resumes the first's checkpoint, so a reader's next
+    command with other flags would stop ("the run has finished", "a different model") or continue the wrong
+    run. Only a relaunch (the same command, perhaps with another --max-steps) shares an -e."""
+    runs, collisions = {}, []
+    for _, block in bash_blocks(readme):
+        for command in commands(block):
+            launch = as_launch(readme, command)
+            if launch is None or not launch.script.is_file() or "--experiment-name" not in launch.script.read_text():
+                continue
+            words, experiment, what = [str(arg) for arg in launch.args], "default", [launch.nproc]
+            while words:
+                word = words.pop(0)
+                if word in ("-e", "--experiment-name", "--max-steps"):
+                    value = words.pop(0)
+                    experiment = value if word != "--max-steps" else experiment
+                else:
+                    what.append(word)
+            if runs.setdefault((launch.script, experiment), (what, command))[0] != what:
+                collisions.append(f"`{runs[launch.script, experiment][1]}` and `{command}`")
+    assert not collisions, f"{name(readme)}: these train different runs under one -e; give each its own: {collisions}"
+
+
 # The flags that say where a run writes and how long it runs, not what it trains.
 NOT_COMPARED = {"experiment_name", "save_dir", "max_steps"}
 

@@ -36,7 +36,8 @@ INJECT=expert-bytes  at exit, print "rank r: expert_bytes {json}": the bytes of 
                       while an MoE layer's experts computed (the most of any layer; FSDP has gathered them then),
                       and those of a whole layer's experts
 INJECT=all-to-all-bytes  at exit, print "rank r: all_to_all_bytes {json}": the bytes this rank sent to other
-                      ranks through all_to_all_single (rows times row bytes), by optimizer step (1 = the first)
+                      ranks through all_to_all_single (rows times row bytes), by optimizer step (1 = the first);
+                      a validation pass under "validation after k"
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -293,7 +294,8 @@ elif what == "all-to-all-bytes":
         group_size, group_rank = dist.get_world_size(group), dist.get_rank(group)
         splits = input_split_sizes or [input.shape[0] // group_size] * group_size
         row_bytes = input[:1].numel() * input.element_size()
-        step = str(steps_done + 1)
+        # a validation pass (no_grad) gets a key of its own, not the next training step's
+        step = str(steps_done + 1) if torch.is_grad_enabled() else f"validation after {steps_done}"
         sent_by_step[step] = sent_by_step.get(step, 0) + (sum(splits) - splits[group_rank]) * row_bytes
         return real_all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, **kwargs)
 

@@ -13,6 +13,8 @@ import random
 import re
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import sentencepiece
@@ -20,8 +22,8 @@ import torch
 import transformers
 
 from conftest import (
-    INJECT, assert_same_training, inject_env, max_weight_diff, measured, online_env, run_chapter,
-    wandb_history, write_tiny_model,
+    CHAPTERS, INJECT, assert_same_training, inject_env, max_weight_diff, measured, offline_env, online_env,
+    run_chapter, wandb_history, write_tiny_model,
 )
 from launching import without_timing
 
@@ -250,6 +252,21 @@ def test_resuming_with_another_model_or_data_fails_and_keeps_the_checkpoint(case
     assert_fails_with_one_line(run, message, cost)
     assert hashlib.sha256(checkpoint.read_bytes()).hexdigest() == before
     assert len(run.losses) == 8, "the failed launch must not touch metrics.jsonl"
+
+
+def test_the_readme_generation_snippet_continues_its_prompt_from_the_export(tmp_path):
+    """The last step a reader wants: load the exported model and generate. The snippet must keep the default
+    byte tokenizer from appending </s> to the prompt (it would start a new document)."""
+    snippet = re.search(r"### Export\n.*?```python\n(.*?)```", (CHAPTERS["01"] / "README.md").read_text(),
+                        re.DOTALL)[1]
+    prompt = re.search(r'tokenizer\("([^"]+)"', snippet)[1]
+    run_chapter("01", ["--max-steps", 2, "--warmup-steps", 1], tmp_path, experiment="default")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "outputs" / "default" / "hf")
+    assert tokenizer(prompt).input_ids[-1] == tokenizer.eos_token_id, "the NOTE's reason no longer holds"
+    generated = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=offline_env(tmp_path),
+                               capture_output=True, text=True, timeout=120)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert generated.stdout.startswith(prompt) and len(generated.stdout.rstrip("\n")) > len(prompt)
 
 
 def test_a_finished_run_stopped_before_its_export_exports_when_relaunched(reference, common_args, tmp_path):

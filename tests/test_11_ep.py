@@ -150,6 +150,24 @@ def expert_bytes(run):
             for line in run.stdout.splitlines() if " expert_bytes " in line}
 
 
+def test_the_exchange_sends_what_the_readme_formula_says_and_validation_is_counted_apart(launch, models):
+    """tests/inject.py all-to-all-bytes at (dp, ep) = (1, 2): each training step a rank sends about
+    4 x L x T x k x h x a x (ep - 1) / ep bytes (11's README; the router's imbalance moves it a little), and the
+    final validation pass is reported under its own key, not as a step of its own."""
+    nproc, flags = LAYOUTS["dp1-ep2"]
+    run = launch("11", "mixtral", nproc, [*flags, *NO_AUX_LOSS, "--max-steps", 2], script=INJECT,
+                 env=inject_env("11", "all-to-all-bytes"))
+    sent = [json.loads(line.split("all_to_all_bytes ", 1)[1]) for line in run.stdout.splitlines()
+            if " all_to_all_bytes " in line]
+    assert len(sent) == nproc and all(set(by_step) == {"1", "2", "validation after 2"} for by_step in sent), sent
+    config = transformers.AutoConfig.from_pretrained(models["mixtral"])
+    tokens_per_rank = flags[flags.index("-b") + 1] * 32  # -s 32 in common_args
+    formula = (4 * config.num_hidden_layers * tokens_per_rank * config.num_experts_per_tok * config.hidden_size
+               * 4 * (2 - 1) / 2)
+    measured = [by_step[step] for by_step in sent for step in ("1", "2")]
+    assert sum(measured) / len(measured) == pytest.approx(formula, rel=0.2), (measured, formula)
+
+
 @pytest.mark.parametrize("ep", [1, 4])
 def test_an_ep2_checkpoint_resumes_on_other_ep_sizes(launch, common_args, models, tmp_path, ep):
     """Stopped after step STOP_AFTER at (dp, ep) = (2, 2) with the load-balancing loss on, resumed on the same 4

@@ -2,7 +2,8 @@
 
 Commands: each line of a ```bash block that starts with `python ` or `torchrun ` (after optional `VAR=value`
 prefixes; in `a && b`, each part counts as a line) runs from its README's folder, offline, with
-` --max-steps 2 --save-dir <tmp>` appended, and must exit 0. A block whose last non-blank line before the fence
+` --max-steps 2 --save-dir <tmp>` appended (a command's own --max-steps of at most 5 kept), and must exit 0;
+every `warning:` line it prints must stand in its README. A block whose last non-blank line before the fence
 is `<!-- needs: <reason> -->` is skipped with that reason (GPUs, the Hub, a cluster). The test command
 (`python -m pytest ...`) is the one exception: running the suite inside the suite would recurse, so instead it
 must be exactly what CI runs (.ci/run).
@@ -144,7 +145,10 @@ def test_readme_command_runs(readme, command, needs, tmp_path):
     env = offline_env(tmp_path)
     # NOTE: `python` and `torchrun` must be this environment's, as they are for a reader with the venv active.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
-    full_command = f"{command} --max-steps 2 --save-dir {tmp_path / 'outputs'}"
+    # A command's own --max-steps runs when it is short (--profile needs 4 steps); else 2 steps prove it runs.
+    own_steps = re.search(r"--max-steps[ =](\d+)", command)
+    steps = int(own_steps[1]) if own_steps and int(own_steps[1]) <= 5 else 2
+    full_command = f"{command} --max-steps {steps} --save-dir {tmp_path / 'outputs'}"
     # (through bash, as a reader's shell runs it: `&&`, `VAR=value` prefixes)
     process = launching.start(["bash", "-c", full_command], readme.parent, env)
     stdout, stderr, how = launching.wait(process, 300)
@@ -154,9 +158,26 @@ def test_readme_command_runs(readme, command, needs, tmp_path):
         f"`{full_command}` in {name(readme)} exited {process.returncode}\n--- stdout\n{stdout[-3000:]}"
         f"\n--- stderr\n{stderr[-5000:]}"
     )
+    shortened = own_steps is None or int(own_steps[1]) != steps
+    unexplained = [line for line in (stdout + stderr).splitlines() if line.startswith("warning: ")
+                   and line[: 60] not in readme.read_text()
+                   # 2 steps make most of any warmup: the test's --max-steps, not the reader's command
+                   and not (shortened and line.startswith("warning: --warmup-steps"))]
+    assert not unexplained, f"`{command}` in {name(readme)} prints warnings its README does not show: {unexplained}"
     launch = as_launch(readme, command)
     if launch is not None:
         SUCCESSFUL_LAUNCHES.append(launch)
+
+
+OUTPUT_FLAG = re.compile(r"(?:^|\s)(?:-o|--output|--out|--plot)[ =]([^\s`]+)")
+
+
+@pytest.mark.parametrize("readme", READMES, ids=name)
+def test_no_readme_command_writes_over_a_committed_file(readme):
+    tracked = set(tracked_files("*"))
+    overwritten = [path for path in OUTPUT_FLAG.findall(readme.read_text())
+                   if (readme.parent / path).resolve() in tracked]
+    assert not overwritten, f"{name(readme)}: commands write over committed files {overwritten}; write under outputs/"
 
 
 @pytest.mark.parametrize("readme", READMES, ids=name)

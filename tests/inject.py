@@ -294,12 +294,15 @@ elif what == "all-to-all-bytes":
         group_size, group_rank = dist.get_world_size(group), dist.get_rank(group)
         splits = input_split_sizes or [input.shape[0] // group_size] * group_size
         row_bytes = input[:1].numel() * input.element_size()
-        # a validation pass (no_grad) gets a key of its own, not the next training step's
-        step = str(steps_done + 1) if torch.is_grad_enabled() else f"validation after {steps_done}"
+        # a validation pass (the model in eval mode) gets a key of its own, not the next training step's
+        step = str(steps_done + 1) if in_training_mode[0] else f"validation after {steps_done}"
         sent_by_step[step] = sent_by_step.get(step, 0) + (sum(splits) - splits[group_rank]) * row_bytes
         return real_all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, **kwargs)
 
     dist.all_to_all_single = counted_all_to_all_single
+    in_training_mode = [True]  # the mode of the module that ran last: an exchange runs inside an MoE layer
+    torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, inputs: in_training_mode.__setitem__(0, module.training))
     register_optimizer_step_post_hook(count_steps)
     report_at_exit(lambda: f"all_to_all_bytes {json.dumps(sent_by_step)}")
 else:

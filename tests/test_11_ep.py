@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 import transformers
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from conftest import (
     CHAPTERS, INJECT, MOE_SIZES, assert_same_training, inject_env, model_launcher, run_chapter, with_model,
@@ -126,6 +127,20 @@ def test_with_the_load_balancing_loss_ep_2_and_4_train_as_ep_1(launch, ep):
     # the loss is on: it is not chapter 01's run (aux 0), and it is the model's (about top_k for a uniform router)
     assert abs(run.metrics[-1]["loss"] - launch("01").metrics[-1]["loss"]) > 1e-4
     assert 1.0 < run.metrics[0]["aux_loss"] < 4.0
+
+
+def test_the_load_balancing_loss_is_k_when_balanced_and_pools_the_layers():
+    """What 11's README says of aux_loss (transformers' Mixtral loss, which Qwen3-MoE shares): about k, the experts
+    a token takes, for an even router; and one layer that sends every token to experts 0 and 1 beside another
+    that sends them to 2 and 3 reads as balanced, since the layers' rows are counted together."""
+    experts, k, tokens = 4, 2, 4096
+    even = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(0)) * 1e-3
+    assert load_balancing_loss_func((even,), experts, k).item() == pytest.approx(k, rel=0.01)
+    to_0_and_1 = torch.tensor([4.0, 4.0, 0.0, 0.0]).expand(tokens, experts)
+    to_2_and_3 = torch.tensor([0.0, 0.0, 4.0, 4.0]).expand(tokens, experts)
+    one_layer = load_balancing_loss_func((to_0_and_1,), experts, k).item()
+    pooled = load_balancing_loss_func((to_0_and_1, to_2_and_3), experts, k).item()
+    assert one_layer > 1.9 * k and pooled == pytest.approx(k, rel=0.01), (one_layer, pooled)
 
 
 @pytest.mark.parametrize("layout", ["dp1-ep2", "dp1-ep4"])

@@ -930,100 +930,49 @@ def hub_id_or_path(name, kind):
     a data file, or has more folders than a Hub id's owner/name) must exist; any other missing folder is
     asked for on the Hub, unless it is in the Hugging Face cache or the libraries are offline (they then fail
     at once themselves)."""
-    import urllib.parse  # the band imports what only it uses where it uses it
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
     path = os.path.expanduser(name)
     if os.path.exists(path):
         return path
     if name.startswith(("/", ".", "~")) or os.path.splitext(name)[1] in DATA_FILE_BUILDERS or name.count("/") > 1:
         raise argparse.ArgumentTypeError(f"no such file or folder: {name!r}")
-    offline_flags = ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE"]
-    if any(os.environ.get(flag, "").upper() in ("1", "ON", "YES", "TRUE") for flag in offline_flags):
+    if datasets.config.HF_HUB_OFFLINE or constants.HF_HUB_OFFLINE or in_hub_cache(name, kind):
         return name
-    if in_hub_cache(name, kind):
-        return name
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co").rstrip("/")
-    token = hub_token()
-    status = hub_status(f"{endpoint}/api/{kind}s/{urllib.parse.quote(name, safe='/')}", token)
-    if status is None:
-        raise argparse.ArgumentTypeError(
-            f"no local folder {name!r}, and the Hub ({endpoint}) does not answer to look for a {kind} of that "
-            "name; pass the path of a folder that exists, or connect to the Hub (HF_HUB_OFFLINE=1 uses the cache)"
-        )
-    # Without a token the Hub answers 401 for a repository it does not have (and for a private one), with one
-    # it answers 404.
-    if status == 404 or (status == 401 and token is None):
-        private = "" if token else " (if it is private, log in first: hf auth login)"
+    try:
+        huggingface_hub.HfApi().repo_info(name, repo_type=kind, timeout=5)
+    except GatedRepoError:  # it exists: the libraries say what access it needs
+        pass
+    # The Hub's answer for a name it does not have, and without a token for a private repository too.
+    except RepositoryNotFoundError:
+        private = "" if huggingface_hub.get_token() else " (if it is private, log in first: hf auth login)"
         raise argparse.ArgumentTypeError(
             f"no local folder {name!r}, and no {kind} {name!r} on the Hub{private}; pass the path of a folder "
             f"that exists or the id of a Hub {kind}"
         )
-    return name  # 200, or any other answer: the libraries ask again and report it themselves
-
-
-def hf_home():
-    return os.path.expanduser(os.path.expandvars(os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")))
+    except HfHubHTTPError:  # any other answer: the libraries ask again and report it themselves
+        pass
+    except Exception:  # no answer at all: no network, a refused connection, nothing within 5 s
+        raise argparse.ArgumentTypeError(
+            f"no local folder {name!r}, and the Hub ({constants.ENDPOINT}) does not answer to "
+            f"look for a {kind} of that name; pass the path of a folder that exists, or connect to the Hub "
+            "(HF_HUB_OFFLINE=1 uses the cache)"
+        )
+    return name
 
 
 def in_hub_cache(name, kind):
-    """Whether the Hugging Face cache holds the model or dataset: the hub's download cache, or for a dataset
-    also the datasets library's own (whose folder for owner/SomeName is owner___some_name)."""
-    hub_cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or os.path.join(
-        hf_home(), "hub")
-    if os.path.isdir(os.path.expanduser(os.path.join(hub_cache, f"{kind}s--{name.replace('/', '--')}"))):
-        return True
-    datasets_cache = os.path.expanduser(os.environ.get("HF_DATASETS_CACHE") or os.path.join(hf_home(), "datasets"))
-    if kind != "dataset" or not os.path.isdir(datasets_cache):
-        return False
-    folders = {re.sub(r"[^a-z0-9]", "", folder.lower()) for folder in os.listdir(datasets_cache)}
-    return re.sub(r"[^a-z0-9]", "", name.lower()) in folders
+    """Whether the Hugging Face cache holds the model or dataset (the libraries can then use it offline)."""
+    import huggingface_hub
+    from huggingface_hub.errors import CacheNotFound
 
-
-def hub_token():
-    """The token the libraries would send (HF_TOKEN, or the file that `hf auth login` writes), or None."""
-    if os.environ.get("HF_TOKEN"):
-        return os.environ["HF_TOKEN"]
-    path = os.path.expanduser(os.environ.get("HF_TOKEN_PATH") or os.path.join(hf_home(), "token"))
     try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def hub_status(url, token, timeout=5):
-    """The HTTP status the Hub answers for url; None if it cannot be reached (no network, no such host, a
-    refused connection) or gives no answer within timeout seconds; 0 for any other failure (a TLS or proxy
-    problem is the libraries' to report). A thread, because urllib's timeout does not cover the name lookup,
-    which can hang without a network."""
-    import socket
-    import threading
-    import urllib.error
-    import urllib.request
-
-    answer = []
-
-    def ask():
-        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
-                answer.append(response.status)
-        except urllib.error.HTTPError as error:
-            answer.append(error.code)
-        except urllib.error.URLError as error:
-            unreachable = isinstance(error.reason, (socket.gaierror, ConnectionError, TimeoutError)) or getattr(
-                error.reason, "errno", None) in (errno.ENETUNREACH, errno.EHOSTUNREACH)
-            answer.append(None if unreachable else 0)
-        except TimeoutError:
-            answer.append(None)
-        except Exception:  # a malformed HF_ENDPOINT, a broken answer: not ours to judge
-            answer.append(0)
-
-    thread = threading.Thread(target=ask, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return answer[0] if answer else None
+        cached = huggingface_hub.scan_cache_dir().repos
+    except CacheNotFound:
+        return False
+    return any(repo.repo_id == name and repo.repo_type == kind for repo in cached)
 
 
 # The oldest and the newest torch release that CI trains every chapter on (.ci/run).

@@ -409,17 +409,21 @@ def test_a_hub_id_that_the_hub_has_goes_to_the_libraries(hub, tmp_path):
 def test_a_name_in_the_hugging_face_cache_is_not_asked_for(hub, tmp_path, monkeypatch):
     """A model or dataset in the cache goes to the libraries unasked (they can use it with no network); the
     same name, not cached, is asked for and refused by a Hub that does not have it."""
+    import datasets
+    from huggingface_hub import constants
+
     hub_id_or_path = load_script(CHAPTERS["02"] / "train_llm.py")["hub_id_or_path"]
-    for var, value in online_env(HF_ENDPOINT=hub, HF_HOME=str(tmp_path)).items():
-        monkeypatch.setenv(var, value)
-    for var in ["HF_TOKEN", "HF_TOKEN_PATH", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE"]:
-        monkeypatch.delenv(var, raising=False)
-    # (the datasets library names its folder for owner/SomeName owner___some_name)
-    for kind, name, cached in [("model", "owner/Cached", "hub/models--owner--Cached"),
-                               ("dataset", "owner/Cached", "hub/datasets--owner--Cached"),
-                               ("dataset", "owner/SomeName", "datasets/owner___some_name")]:
-        with pytest.raises(argparse.ArgumentTypeError, match=f"no {kind} '{name}' on the Hub"):
-            hub_id_or_path(name, kind)
-        (tmp_path / cached).mkdir(parents=True)
-        assert hub_id_or_path(name, kind) == name
-        shutil.rmtree(tmp_path / cached)
+    # (huggingface_hub reads these variables when it is imported: this process imported it long ago)
+    for name, value in [("ENDPOINT", hub), ("HF_HUB_CACHE", str(tmp_path)), ("HF_HUB_OFFLINE", False)]:
+        monkeypatch.setattr(constants, name, value)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    for kind in ["model", "dataset"]:
+        with pytest.raises(argparse.ArgumentTypeError, match=f"no {kind} 'owner/Cached' on the Hub"):
+            hub_id_or_path("owner/Cached", kind)
+        # what a download leaves: the cache's documented layout, <kind>s--owner--name/{refs,snapshots}
+        snapshot = tmp_path / f"{kind}s--owner--Cached" / "snapshots" / "0123abcd"
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text("{}")
+        (snapshot.parents[1] / "refs").mkdir()
+        (snapshot.parents[1] / "refs" / "main").write_text("0123abcd")
+        assert hub_id_or_path("owner/Cached", kind) == "owner/Cached"

@@ -1052,22 +1052,11 @@ def report_exit(stop):
         extra_info = {"py_callstack": stop.code, "timestamp": str(int(time.time()))}
         with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
             json.dump({"message": {"message": stop.code, "extraInfo": extra_info}}, f)
-        wait_for_local_ranks_to_report(os.environ["TORCHELASTIC_ERROR_FILE"])
+        # torchrun stops every rank (SIGTERM) as soon as one exits: a rank about to fail with the same line (one
+        # still importing, say) would die before printing it, a "Signal 15" in the summary. So give them time.
+        if stop.code.startswith("error:"):
+            time.sleep(3)
     return 1
-
-
-def wait_for_local_ranks_to_report(error_file, timeout=3):
-    """torchrun stops every rank (SIGTERM) as soon as one fails: a rank about to fail with the same line would
-    die before printing it, and show as "Signal 15" in the summary. So wait, at most timeout seconds, until
-    each rank of this node has written its error file (torchrun's attempt_N/<local rank>/error.json)."""
-    rank_dir, name = os.path.split(error_file)
-    if os.path.basename(rank_dir) != os.environ.get("LOCAL_RANK"):
-        return  # an error file torchrun did not lay out
-    error_files = [os.path.join(os.path.dirname(rank_dir), str(rank), name)
-                   for rank in range(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and not all(map(os.path.exists, error_files)):
-        time.sleep(0.05)
 
 
 if __name__ == "__main__":

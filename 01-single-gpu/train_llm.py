@@ -11,7 +11,6 @@ import json
 import math
 import os
 import random
-import re
 import resource
 import shutil
 import signal
@@ -886,13 +885,6 @@ def file_digest(path):
     return [os.path.getsize(path), crc]
 
 
-def writer_rank(name):
-    """The rank that wrote a checkpoint file. DCP names rank r's files __r_0.distcp, __r_1.distcp, ...; rank 0
-    writes the others (a file that a later DCP names otherwise counts as rank 0's: slower, still right)."""
-    match = re.fullmatch(r"__(\d+)_\d+\.distcp", os.path.basename(name))
-    return int(match.group(1)) if match else 0
-
-
 def write_manifest(checkpoint_dir):
     """Record the size and checksum of every file of a checkpoint, so that loading can tell a damaged one."""
     files = sorted(
@@ -905,16 +897,13 @@ def write_manifest(checkpoint_dir):
 
 def checkpoint_damage(checkpoint_dir, rank=0, world_size=1):
     """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest. Rank r of
-    world_size checks the files that ranks r, r + world_size, ... wrote: any number of ranks covers every file
-    of a checkpoint that any number wrote."""
+    world_size checks the manifest's files r, r + world_size, ...: any number of ranks covers every file."""
     try:
         with open(os.path.join(checkpoint_dir, "manifest.json")) as f:
             manifest = json.load(f)
     except (OSError, ValueError):
         return "manifest.json is missing or unreadable"
-    for name, recorded in manifest.items():
-        if writer_rank(name) % world_size != rank:
-            continue
+    for name, recorded in sorted(manifest.items())[rank::world_size]:
         path = os.path.join(checkpoint_dir, name)
         if not os.path.isfile(path):
             return f"{name} is missing"

@@ -31,8 +31,8 @@ CHAPTER_DIFFS = {
     ("06", "07"): (95, {"main", "get_parser", "check_tensor_parallel_fits", "evaluate"}),
     # A pipeline replaces the model's forward and backward with a schedule, and each rank's checkpoint part and
     # export cover its stages: chapter 04's DCP format, under the whole model's names.
-    ("02", "08"): (354, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
-    ("07", "09"): (421, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
+    ("02", "08"): (355, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
+    ("07", "09"): (422, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
     # Context parallelism keeps chapter 04's sharding, checkpoints and export; the rows and the validation are
     # split over the dp ranks, the tokens over the cp ranks.
     ("04", "10"): (179, {"main", "get_parser", "evaluate"}),

@@ -173,6 +173,18 @@ def test_every_script_line_fits_110_characters():
     assert not long_lines, long_lines
 
 
+# What another library lays out for itself and does not document: torchrun's error-file folders, DCP's file
+# names, the datasets cache's folder names; HTTP to the Hub by hand; imports from underscore modules.
+PRIVATE_LAYOUTS = re.compile(r"error\.json|attempt_\d|\.distcp|___|urllib|http\.client|"
+                             r"(?:from|import) (?:torch|transformers|datasets|huggingface_hub)(?:\.\w+)*\._")
+
+
+def test_no_script_leans_on_another_librarys_private_layout():
+    found = [f"{chapter}:{number}: {line.strip()}" for chapter in SCRIPTS
+             for number, line in enumerate(script(chapter).splitlines(), 1) if PRIVATE_LAYOUTS.search(line)]
+    assert not found, found
+
+
 def hand_count(config, seq_length, tied):
     """6 FLOPs per matmul weight per token + 12 * layers * hidden * seq_length for attention scores."""
     hidden, layers, inter, vocab = config.hidden_size, config.num_hidden_layers, config.intermediate_size, config.vocab_size

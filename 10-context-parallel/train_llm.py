@@ -1177,8 +1177,9 @@ def request_stop(stop_signals, signum):
 
 
 def run_on_rank_0(fn):
-    """fn() on rank 0 alone; every rank returns its result. If fn fails there (an error line, a full disk, any
-    exception), every rank exits with one line, instead of waiting for rank 0 in the next collective."""
+    """Every rank must call this (a broadcast): fn() on rank 0 alone, its result returned on every rank. If fn
+    fails there (an error line, a full disk, any exception), every rank exits with one line, instead of waiting
+    for rank 0 in the next collective."""
     outcome, failure = [None, None], None
     if dist.get_rank() == 0:
         try:
@@ -1201,7 +1202,8 @@ def run_on_rank_0(fn):
 
 
 def usable_checkpoint(exp_dir):
-    """The newest complete checkpoint whose files are all as they were written, or None if there is none yet.
+    """Every rank must call this (from chapter 02 on, collectives inside): the newest complete checkpoint whose
+    files are all as they were written, or None if there is none yet.
 
     A save writes into step-N.partial and renames it to step-N when done, so a run killed mid-save leaves a
     .partial folder, which is ignored. A complete one can still be damaged later (a full disk, a node crash
@@ -1250,7 +1252,8 @@ def file_digest(path):
 
 
 def write_manifest(checkpoint_dir):
-    """Record the size and checksum of every file of a checkpoint, so that loading can tell a damaged one."""
+    """Every rank must call this (from chapter 02 on, an all-gather inside): record the size and checksum of
+    every file of a checkpoint, so that loading can tell a damaged one."""
     files = sorted(
         os.path.relpath(os.path.join(folder, name), checkpoint_dir)
         for folder, _, names in os.walk(checkpoint_dir) for name in names
@@ -1284,9 +1287,10 @@ def checkpoint_damage(checkpoint_dir, rank=0, world_size=1):
 
 @contextmanager
 def checkpoint_folder(exp_dir, state, param_shapes):
-    """The folder the checkpoint of state["step"] is written into: step-N.partial, renamed to step-N once the
-    body has returned and each file's checksum is in the manifest. The rename is atomic: a run killed mid-save
-    leaves the checkpoint before as the newest complete one."""
+    """Every rank must enter this (from chapter 02 on, collectives inside): the folder the checkpoint of
+    state["step"] is written into, step-N.partial, renamed to step-N once the body has returned and each file's
+    checksum is in the manifest. The rename is atomic: a run killed mid-save leaves the checkpoint before as the
+    newest complete one."""
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
     final_dir = os.path.join(checkpoints_dir, f"step-{state['step']:08d}")
     partial_dir = final_dir + ".partial"

@@ -160,10 +160,11 @@ def test_readme_command_runs(readme, command, needs, tmp_path):
     )
     shortened = own_steps is None or int(own_steps[1]) != steps
     unexplained = [line for line in (stdout + stderr).splitlines() if line.startswith("warning: ")
-                   and line[: 60] not in readme.read_text()
+                   and line[:60] not in readme.read_text()
                    # 2 steps make most of any warmup: the test's --max-steps, not the reader's command
                    and not (shortened and line.startswith("warning: --warmup-steps"))]
-    assert not unexplained, f"`{command}` in {name(readme)} prints warnings its README does not show: {unexplained}"
+    assert not unexplained, f"`{command}` in {name(readme)} prints warnings its README does not show: " \
+                            f"{unexplained}"
     launch = as_launch(readme, command)
     if launch is not None:
         SUCCESSFUL_LAUNCHES.append(launch)
@@ -177,7 +178,8 @@ def test_no_readme_command_writes_over_a_committed_file(readme):
     tracked = set(tracked_files("*"))
     overwritten = [path for path in OUTPUT_FLAG.findall(readme.read_text())
                    if (readme.parent / path).resolve() in tracked]
-    assert not overwritten, f"{name(readme)}: commands write over committed files {overwritten}; write under outputs/"
+    assert not overwritten, f"{name(readme)}: commands write over committed files {overwritten}; write them " \
+                            "under outputs/"
 
 
 @pytest.mark.parametrize("readme", READMES, ids=name)
@@ -189,19 +191,22 @@ def test_commands_that_train_different_runs_name_different_experiments(readme):
     for _, block in bash_blocks(readme):
         for command in commands(block):
             launch = as_launch(readme, command)
-            if launch is None or not launch.script.is_file() or "--experiment-name" not in launch.script.read_text():
+            if launch is None or "--experiment-name" not in (launch.script.read_text() if launch.script.is_file()
+                                                             else ""):
                 continue
-            words, experiment, what = [str(arg) for arg in launch.args], "default", [launch.nproc]
+            experiment, what, words = "default", [launch.nproc], [str(arg) for arg in launch.args]
             while words:
                 word = words.pop(0)
-                if word in ("-e", "--experiment-name", "--max-steps"):
-                    value = words.pop(0)
-                    experiment = value if word != "--max-steps" else experiment
+                if word in ("-e", "--experiment-name"):
+                    experiment = words.pop(0)
+                elif word == "--max-steps":  # a relaunch may train on
+                    words.pop(0)
                 else:
                     what.append(word)
             if runs.setdefault((launch.script, experiment), (what, command))[0] != what:
                 collisions.append(f"`{runs[launch.script, experiment][1]}` and `{command}`")
-    assert not collisions, f"{name(readme)}: these train different runs under one -e; give each its own: {collisions}"
+    assert not collisions, f"{name(readme)}: these train different runs under one -e; give each its own: " \
+                           f"{collisions}"
 
 
 # The flags that say where a run writes and how long it runs, not what it trains.

@@ -6,6 +6,7 @@ timeout, a free port (torchrun's --standalone picks one), a temp dir, and offlin
 """
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import random
@@ -76,9 +77,22 @@ class Run:
         return worker_stderr(self.stderr)
 
 
+# The test files that bring up the practice cluster (one at a time on a machine: its nodes have fixed names).
+CLUSTER_FILES = {"test_03_launchers.py", "test_diagnosing_errors.py", "test_practice_cluster.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """The README commands (tests/test_docs.py) run last, after every test that may already have run one."""
+    """Two workers (pytest.ini: -n 2 --dist loadgroup) take the tests a group at a time, in this order: a test
+    file is a group, so that its module fixtures run once; the files that use the practice cluster are one; the
+    README commands (tests/test_docs.py) come last, after every test that may already have run one."""
     items.sort(key=lambda item: item.originalname == "test_readme_command_runs")
+    for item in items:
+        if item.originalname == "test_readme_command_runs":
+            group = "readme-commands"
+        else:
+            group = "practice-cluster" if item.path.name in CLUSTER_FILES else item.path.name
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @dataclasses.dataclass
@@ -86,21 +100,40 @@ class Launch:
     """A launch that exited 0: the script it ran (the chapter's own under tests/inject.py), its processes (None:
     plain python), its flags, and the test that made it."""
 
-    script: Path
+    script: str
     nproc: int | None
     args: list
     test: str
 
 
-# Every such launch of this session, in order: tests/test_docs.py does not run a README command again that one of
-# them already ran.
-SUCCESSFUL_LAUNCHES = []
+def pytest_configure(config):
+    """One record of the session's successful launches (below), shared by pytest-xdist's workers: they start
+    after this runs in the controller and inherit its environment."""
+    if not hasattr(config, "workerinput"):
+        handle, path = tempfile.mkstemp(prefix="launches-", suffix=".jsonl")
+        os.close(handle)
+        os.environ["TESTS_LAUNCH_RECORD"] = config.launch_record = path
+
+
+def pytest_unconfigure(config):
+    if hasattr(config, "launch_record"):
+        os.remove(config.launch_record)
 
 
 def record_launch(script, nproc, args):
-    """Note a launch that exited 0 (run_chapter does; so do the tests that start a script themselves)."""
-    SUCCESSFUL_LAUNCHES.append(Launch(Path(script).resolve(), nproc, [str(arg) for arg in args],
-                                      os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]))
+    """Note a launch that exited 0 (run_chapter does; so do the tests that start a script themselves), for
+    tests/test_docs.py, which does not run a README command again that one of them already ran."""
+    launch = Launch(str(Path(script).resolve()), nproc, [str(arg) for arg in args],
+                    os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0])
+    with open(os.environ["TESTS_LAUNCH_RECORD"], "a") as record:
+        fcntl.flock(record, fcntl.LOCK_EX)  # whole lines, also from two workers at once
+        record.write(json.dumps(dataclasses.asdict(launch)) + "\n")
+
+
+def successful_launches():
+    """Every launch of this session that exited 0 so far, on any worker, in order."""
+    with open(os.environ["TESTS_LAUNCH_RECORD"]) as record:
+        return [Launch(**json.loads(line)) for line in record]
 
 
 def worker_stderr(stderr):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import launching
-from conftest import ROOT, SUCCESSFUL_LAUNCHES, Launch, offline_env, tracked_files
+from conftest import ROOT, Launch, offline_env, record_launch, successful_launches, tracked_files
 from launching import load_script
 
 # related-topics/ holds a README per topic, one level further down.
@@ -167,7 +167,7 @@ def test_readme_command_runs(readme, command, needs, tmp_path):
                             f"{unexplained}"
     launch = as_launch(readme, command)
     if launch is not None:
-        SUCCESSFUL_LAUNCHES.append(launch)
+        record_launch(launch.script, launch.nproc, launch.args)
 
 
 OUTPUT_FLAG = re.compile(r"(?:^|\s)(?:-o|--output|--out|--plot)[ =]([^\s`]+)")
@@ -191,8 +191,8 @@ def test_commands_that_train_different_runs_name_different_experiments(readme):
     for _, block in bash_blocks(readme):
         for command in commands(block):
             launch = as_launch(readme, command)
-            if launch is None or "--experiment-name" not in (launch.script.read_text() if launch.script.is_file()
-                                                             else ""):
+            script = Path(launch.script) if launch is not None else None
+            if script is None or "--experiment-name" not in (script.read_text() if script.is_file() else ""):
                 continue
             experiment, what, words = "default", [launch.nproc], [str(arg) for arg in launch.args]
             while words:
@@ -228,7 +228,8 @@ def as_launch(readme, command):
         nproc, rest = int(words[1].split("=")[1]), words[2:]
     else:
         return None
-    return Launch((readme.parent / rest[0]).resolve(), nproc, rest[1:], f"tests/test_docs.py ({name(readme)})")
+    script = str((readme.parent / rest[0]).resolve())
+    return Launch(script, nproc, rest[1:], f"tests/test_docs.py ({name(readme)})")
 
 
 def earlier_launch(readme, command):
@@ -236,7 +237,7 @@ def earlier_launch(readme, command):
     wanted = as_launch(readme, command)
     if wanted is None:
         return None
-    earlier = [launch for launch in SUCCESSFUL_LAUNCHES
+    earlier = [launch for launch in successful_launches()
                if launch.script == wanted.script and launch.nproc == wanted.nproc]
     get_parser = load_script(wanted.script).get("get_parser") if earlier else None
     if get_parser is None:  # without a parser to read its flags, the command runs

@@ -354,20 +354,25 @@ def initialize_weights(model, mesh, seed):
     # On CPU each rank draws from its own generator (on CUDA, DTensor offsets one shared stream): seeding it by
     # shard index makes the shards differ and HSDP replicas agree.
     torch.default_generator.manual_seed(seed + mesh.get_local_rank("shard"))
+    # HF zeroes the padding row through weight[padding_idx], which regathers a sharded weight (on gloo with a
+    # warning on every rank, torch 2.14 on) into a temporary copy: hide padding_idx from it, zero the row below.
+    padded = {module: module.padding_idx for module in model.modules()
+              if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None}
+    for module in padded:
+        module.padding_idx = None
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
         model.initialize_weights()
     # Back to one random stream on every rank, as in chapter 02, so rank 0's saved RNG state is every rank's.
     torch.manual_seed(seed)
-    # HF zeroes the padding row through weight[padding_idx], a temporary copy of a sharded weight: zero it in
-    # the shard that holds it (fully_shard splits dim 0 like torch.chunk).
-    for module in model.modules():
-        if isinstance(module, torch.nn.Embedding) and module.padding_idx is not None:
-            local_rows = module.weight.to_local()
-            first_row = mesh.get_local_rank("shard") * math.ceil(module.num_embeddings / mesh["shard"].size())
-            if 0 <= module.padding_idx - first_row < local_rows.shape[0]:
-                with torch.no_grad():
-                    local_rows[module.padding_idx - first_row].zero_()
+    # The padding row, in the shard that holds it (fully_shard splits dim 0 like torch.chunk).
+    for module, padding_idx in padded.items():
+        module.padding_idx = padding_idx
+        local_rows = module.weight.to_local()
+        first_row = mesh.get_local_rank("shard") * math.ceil(module.num_embeddings / mesh["shard"].size())
+        if 0 <= padding_idx - first_row < local_rows.shape[0]:
+            with torch.no_grad():
+                local_rows[padding_idx - first_row].zero_()
 
 
 def load_pretrained_weights(model, model_name):

@@ -77,22 +77,38 @@ class Run:
         return worker_stderr(self.stderr)
 
 
+def pytest_collection_modifyitems(items):
+    """The README commands (tests/test_docs.py) run last, after every test that may already have run one."""
+    items.sort(key=lambda item: item.originalname == "test_readme_command_runs")
+
+
 # The test files that bring up the practice cluster (one at a time on a machine: its nodes have fixed names).
 CLUSTER_FILES = {"test_03_launchers.py", "test_diagnosing_errors.py", "test_practice_cluster.py"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(items):
-    """Two workers (pytest.ini: -n 2 --dist loadgroup) take the tests a group at a time, in this order: a test
-    file is a group, so that its module fixtures run once; the files that use the practice cluster are one; the
-    README commands (tests/test_docs.py) come last, after every test that may already have run one."""
-    items.sort(key=lambda item: item.originalname == "test_readme_command_runs")
-    for item in items:
-        if item.originalname == "test_readme_command_runs":
-            group = "readme-commands"
-        else:
-            group = "practice-cluster" if item.path.name in CLUSTER_FILES else item.path.name
-        item.add_marker(pytest.mark.xdist_group(group))
+def worker_unit(nodeid):
+    """What one pytest-xdist worker runs in one go: a test file, so that its module fixtures start once; the
+    files that use the practice cluster together; the README commands apart."""
+    if "::test_readme_command_runs[" in nodeid:
+        return "README commands"
+    file = Path(nodeid.split("::")[0]).name
+    return "practice cluster" if file in CLUSTER_FILES else file
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile (pytest.ini), by worker_unit instead of by file, in collection order. (Not xdist's
+    loadgroup: with pytest 9 it groups nothing, its node id suffix is lost.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    if config.getvalue("dist") != "loadfile":
+        return None
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return worker_unit(nodeid)
+
+    return ByUnit(config, log)
 
 
 @dataclasses.dataclass

@@ -31,7 +31,8 @@ done
 # bridge and namespaces in the kernel. Remove such a leftover; refuse if anything still runs in its nodes.
 if ip link show "$bridge" &>/dev/null; then
     owner=$(ip -o link show "$bridge" | sed -n 's/.* alias practice-cluster \(.*\)$/\1/p')
-    ip -o addr show dev "$bridge" | grep -q " $controller_addr/24 " ||
+    # (not `ip ... | grep -q`: under pipefail, grep's early exit can fail the pipeline with ip's SIGPIPE)
+    [[ $(ip -o addr show dev "$bridge") == *" $controller_addr/24 "* ]] ||
         fail "interface $bridge exists already and is not a practice cluster's; remove it first"
     for node in "${nodes[@]}"; do
         [[ -n $(ip netns pids "$node" 2>/dev/null) ]] && fail "a practice cluster still runs on $bridge" \

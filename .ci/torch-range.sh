@@ -2,8 +2,9 @@
 # Both ends of the torch range the chapters support (TESTED_TORCH in every train_llm.py), each in a venv of its
 # own: one loss-parity test of every chapter from 02 on (each technique's layout on 2-4 ranks, the mechanisms a
 # torch release changes: DDP, FSDP2 and DCP, DTensor TP, pipelining, CP, EP), a DCP resume across world
-# sizes, and FSDP's fresh init (no warning on any rank). The pinned suite (.ci/run) runs all the rest once. PyPI's Linux torch is the CUDA build (about 4 GB
-# with its nvidia packages); it runs on a CPU, where importing it takes twice as long as the CPU build's.
+# sizes, and FSDP's fresh init (no warning on any rank). The pinned suite (.ci/run) runs all the rest once.
+# PyPI's Linux torch is the CUDA build (about 4 GB with its nvidia packages); it runs on a CPU, where
+# importing it takes twice as long as the CPU build's.
 #     bash .ci/torch-range.sh oldest|newest
 set -euo pipefail
 cd "$(dirname "$0")/.."

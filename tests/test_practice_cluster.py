@@ -4,12 +4,13 @@ kernel, and the next up.sh must clear them, not fail; while a cluster still runs
 running. A module of its own: conftest's `cluster` fixture keeps one cluster up for a whole module.
 """
 import os
+import re
 import shutil
 import signal
 import subprocess
 from pathlib import Path
 
-from conftest import PRACTICE, practice_cluster_state_dir
+from conftest import CLUSTER_FILES, PRACTICE, practice_cluster_state_dir, worker_unit
 
 NODES = ("node0", "node1")
 
@@ -58,3 +59,14 @@ def test_up_refuses_while_a_cluster_runs_and_clears_one_whose_processes_died():
         down(first)
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert "br-tut" not in links and not any(Path("/run/netns", node).exists() for node in NODES)
+
+
+def test_every_file_that_brings_up_a_cluster_runs_on_one_worker_after_the_other():
+    """Two clusters at once on one machine collide (fixed node names): every test file that brings one up (the
+    `cluster` fixture or practice_cluster_state_dir) is in one pytest-xdist worker unit (worker_unit)."""
+    users = {path.name for path in Path(__file__).parent.glob("test_*.py")
+             if re.search(r"[(,]\s*cluster\s*[,)]|practice_cluster_state_dir\(", path.read_text())}
+    assert users == CLUSTER_FILES
+    assert {worker_unit(f"tests/{name}::test_something") for name in users} == {"practice cluster"}
+    readme_command = "tests/test_docs.py::test_readme_command_runs[README.md: python x.py]"
+    assert worker_unit(readme_command) == "README commands"

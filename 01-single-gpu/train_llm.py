@@ -17,8 +17,8 @@ import signal
 import sys
 import time
 import traceback
-import zlib
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import datasets
 import numpy as np
@@ -75,24 +75,22 @@ def main():
         optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, total_steps)
     )
 
-    # The data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure function of
-    # (seed, epoch), so resuming needs no replay of skipped batches. loss_window holds the losses summed since
-    # the last log line, so a resumed run logs the same averages as an uninterrupted one. The checkpoint keeps
-    # fixed_flags, which a relaunch must not change: -b, --grad-accum-steps and the number of ranks may change,
-    # the global batch they make may not (it sets what a step is, and which rows are held out).
-    fixed_flags = {"-d/--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
-                   "-s/--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
+    # The flags a relaunch must not change. -b, --grad-accum-steps and the number of ranks may change, not the
+    # global batch they make (it sets what a step is, and which rows are held out): kept as --global-batch-size.
+    fixed_flags = {"--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
+                   "--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
                    "--warmup-steps": args.warmup_steps, "--val-fraction": args.val_fraction,
-                   "the global batch (ranks x -b x --grad-accum-steps)": global_batch_size}
-    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0], "fixed_flags": fixed_flags}
+                   "--global-batch-size": global_batch_size}
     exp_dir = make_experiment_dir(args.save_dir, args.experiment_name)
-    checkpoint_dir = usable_checkpoint(exp_dir)
+    checkpoint_dir, state = load_newest_checkpoint(
+        exp_dir, lambda folder: load_checkpoint(folder, model, optimizer, lr_schedule, param_shapes, fixed_flags),
+        fresh_state=TrainState(fixed_flags),
+    )
     if checkpoint_dir is not None:
-        state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags)
-        check_resume_step(state["step"], total_steps, checkpoint_dir)
-        print(f"resumed from {checkpoint_dir} at step {state['step']}")
+        check_resume_step(state.step, total_steps, checkpoint_dir)
+        print(f"resumed from {checkpoint_dir} at step {state.step}")
     metrics_path = os.path.join(exp_dir, "metrics.jsonl")
-    truncate_metrics(metrics_path, after_step=state["step"])
+    truncate_metrics(metrics_path, after_step=state.step)
 
     if args.compile:
         model.compile()
@@ -102,22 +100,21 @@ def main():
     peak_flops = peak_flops_per_second(device)
     if peak_flops is not None:
         print(f"MFU is relative to {peak_flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of this GPU")
-    order = epoch_order(len(data), args.seed, state["epoch"])
+    order = epoch_order(len(data), args.seed, state.epoch)
     eval_freq = args.eval_freq or args.ckpt_freq
-    running_loss = torch.tensor(state["loss_window"][0], device=device)
-    steps_since_log = state["loss_window"][1]
-    progress = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not sys.stderr.isatty())
-    last_log_time, last_log_step = time.perf_counter(), state["step"]
-    profiler = start_profiler(exp_dir, state["step"], total_steps, device) if args.profile else None
+    running_loss = torch.tensor(state.window_loss_sum, device=device)
+    progress = tqdm(total=total_steps, initial=state.step, desc="training", disable=not sys.stderr.isatty())
+    last_log_time, last_log_step = time.perf_counter(), state.step
+    profiler = start_profiler(exp_dir, state.step, total_steps, device) if args.profile else None
     model.train()
 
-    while state["step"] < total_steps:
-        if state["samples_in_epoch"] + global_batch_size > len(data):
-            state["epoch"] += 1
-            state["samples_in_epoch"] = 0
-            order = epoch_order(len(data), args.seed, state["epoch"])
-        batch_indices = order[state["samples_in_epoch"] : state["samples_in_epoch"] + global_batch_size]
-        state["samples_in_epoch"] += global_batch_size
+    while state.step < total_steps:
+        if state.samples_in_epoch + global_batch_size > len(data):
+            state.epoch += 1
+            state.samples_in_epoch = 0
+            order = epoch_order(len(data), args.seed, state.epoch)
+        batch_indices = order[state.samples_in_epoch : state.samples_in_epoch + global_batch_size]
+        state.samples_in_epoch += global_batch_size
         rows = data[batch_indices]
         # The step's loss is the mean over every label token of the global batch, what one pass over it gives:
         # each micro-batch's summed loss over that count, not its mean over K (a row with a masked prompt has
@@ -140,35 +137,35 @@ def main():
         step_lr = lr_schedule.get_last_lr()[0]
         lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        state["step"] += 1
+        state.step += 1
         progress.update(1)
 
-        steps_since_log += 1
+        state.window_steps += 1
         stop = bool(stop_signals)
         # The validation loss, at each checkpoint (or --eval-freq) and at the end, gets a log line of its own.
-        evaluate_now = val_data is not None and (state["step"] % eval_freq == 0 or state["step"] == total_steps)
-        if state["step"] % args.log_freq == 0 or state["step"] == total_steps or evaluate_now:
-            mean_loss = running_loss.item() / steps_since_log
+        evaluate_now = val_data is not None and (state.step % eval_freq == 0 or state.step == total_steps)
+        if state.step % args.log_freq == 0 or state.step == total_steps or evaluate_now:
+            mean_loss = running_loss.item() / state.window_steps
             elapsed = time.perf_counter() - last_log_time
-            tokens_per_s = tokens_per_step * (state["step"] - last_log_step) / elapsed
-            metrics = {"step": state["step"], "epoch": state["epoch"], "loss": mean_loss,
+            tokens_per_s = tokens_per_step * (state.step - last_log_step) / elapsed
+            metrics = {"step": state.step, "epoch": state.epoch, "loss": mean_loss,
                        "grad_norm": grad_norm.item(), "lr": step_lr, "tokens_per_s": tokens_per_s,
                        "peak_memory_gb": peak_memory_gb(device)}
             if evaluate_now:
                 metrics["val_loss"] = evaluate(model, val_data, args, device, autocast)
-            exit_if_diverged(state["step"], mean_loss, metrics["grad_norm"])
+            exit_if_diverged(state.step, mean_loss, metrics["grad_norm"])
             if peak_flops is not None:
                 metrics["mfu"] = tokens_per_s * flops_per_token / peak_flops
             log_metrics(metrics_path, metrics, progress)
             if wandb_run is not None:
-                wandb_run.log(metrics, step=state["step"])
+                wandb_run.log(metrics, step=state.step)
             running_loss.zero_()
-            steps_since_log = 0
-            last_log_time, last_log_step = time.perf_counter(), state["step"]
+            state.window_steps = 0
+            last_log_time, last_log_step = time.perf_counter(), state.step
 
-        if stop or state["step"] % args.ckpt_freq == 0 or state["step"] == total_steps:
-            state["loss_window"] = [running_loss.item(), steps_since_log]
-            exit_if_diverged(state["step"], state["loss_window"][0], grad_norm.item())
+        if stop or state.step % args.ckpt_freq == 0 or state.step == total_steps:
+            state.window_loss_sum = running_loss.item()
+            exit_if_diverged(state.step, state.window_loss_sum, grad_norm.item())
             save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
         if profiler is not None:
             profiler.step()
@@ -178,12 +175,12 @@ def main():
     progress.close()
     if profiler is not None:
         profiler.stop()
-    if state["step"] == total_steps:
+    if state.step == total_steps:
         export_hf(os.path.join(exp_dir, "hf"), model, tokenizer)
     if wandb_run is not None:
         wandb_run.finish()
-    if state["step"] < total_steps:
-        sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
+    if state.step < total_steps:
+        sys.exit(f"stopped by a signal after step {state.step}; relaunch the same command to resume")
 
 
 def build_model(args, config, device):
@@ -199,7 +196,7 @@ def build_model(args, config, device):
 
 
 def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
-    with checkpoint_folder(exp_dir, state, param_shapes) as folder:
+    with checkpoint_folder(exp_dir, state, param_shapes, "one file") as folder:
         # The data order has its own generator; the RNG states cover anything random in the model (dropout).
         training_state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                           "lr_schedule": lr_schedule.state_dict(), "rng": rng_state()}
@@ -207,7 +204,7 @@ def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
 
 
 def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags):
-    state = read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, "one file")
+    state = TrainState(**read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, "one file"))
     checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
@@ -391,6 +388,19 @@ def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class TrainState:
+    """What state.json keeps besides the tensors: the data position (an epoch's order is a function of --seed
+    and the epoch alone), the loss summed since the last log line and over how many steps, the fixed flags."""
+    fixed_flags: dict
+    step: int = 0
+    epoch: int = 0
+    samples_in_epoch: int = 0
+    window_loss_sum: float = 0.0
+    window_steps: int = 0
+
 
 
 def epoch_order(num_rows, seed, epoch):
@@ -657,15 +667,9 @@ def warn_if_torch_is_older_than_tested():
 
 
 def make_experiment_dir(save_dir, experiment_name):
+    # (check_args has tried a write there: check_save_dir)
     exp_dir = os.path.join(save_dir, experiment_name)
-    try:
-        os.makedirs(exp_dir, exist_ok=True)
-        probe = os.path.join(exp_dir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as error:
-        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
+    os.makedirs(exp_dir, exist_ok=True)
     return exp_dir
 
 
@@ -688,12 +692,6 @@ def exit_on_build_error(args):
 def one_line(error):
     """The error's message as one line: some libraries spread it over several, with the cause on the last."""
     return " ".join(str(error).split()) or type(error).__name__
-
-
-def exit_if(problem):
-    """A check above the rule names its problem (None when there is none); this makes it the one-line exit."""
-    if problem:
-        sys.exit(f"error: {problem}")
 
 
 def check_model_fits_tokenizer(args, config, tokenizer):
@@ -837,36 +835,58 @@ def request_stop(stop_signals, signum):
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-# --- Checkpoints that are complete and intact, or set aside: a .partial folder, a manifest, an atomic rename ---
+# --- Checkpoints that are complete or ignored: a .partial folder, an atomic rename, a fallback on resume ---
 
 
-def usable_checkpoint(exp_dir):
-    """Every rank must call this (from chapter 02 on, collectives inside): the newest complete checkpoint whose
-    files are all as they were written, or None if there is none yet.
+def load_newest_checkpoint(exp_dir, load, fresh_state):
+    """Every rank must call this (from chapter 02 on, collectives inside): the newest complete checkpoint's
+    folder and what load(folder) returns, for the newest that loads on every rank; (None, fresh_state) if there
+    is none.
 
     A save writes into step-N.partial and renames it to step-N when done, so a run killed mid-save leaves a
-    .partial folder, which is ignored. A complete one can still be damaged later (a full disk, a node crash
-    before the data reached the disk): it is renamed to step-N.damaged, never deleted, and the one before is used.
-    """
+    .partial folder, which is ignored. A complete one can still fail to load (a file cut short by a full disk,
+    or by a crash before it reached the disk): it is renamed to step-N.damaged, never deleted, and the one
+    before is loaded (every load replaces all the state the failed one may have half filled)."""
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
-    complete = complete_checkpoints(checkpoints_dir)
-    for name in reversed(complete):
+    names = [complete_checkpoints(checkpoints_dir)]
+    for name in reversed(names[0]):
         checkpoint_dir = os.path.join(checkpoints_dir, name)
-        damage = checkpoint_damage(checkpoint_dir)
-        if damage is None:
-            return checkpoint_dir
-        set_aside(checkpoint_dir, damage)
-    if complete:
+        try:
+            loaded, failure = load(checkpoint_dir), None
+        except BaseException as error:  # not only Exception: DCP raises a CheckpointException
+            loaded, failure = None, damaged_file_error(error)
+            if failure is None:  # a check's line (another model, other flags), a bug, no memory: not damage
+                raise
+        failures = [failure]
+        if not any(failures):
+            return checkpoint_dir, loaded
+        set_aside(checkpoint_dir, next(filter(None, failures)))
+    if names[0]:
         sys.exit(
-            f"error: every checkpoint in {checkpoints_dir} is damaged (now *.damaged); move them away to start "
+            f"error: no checkpoint in {checkpoints_dir} loads (each is now *.damaged); move them away to start "
             "fresh, or pass a new -e/--experiment-name"
         )
-    return None
+    return None, fresh_state
 
 
-def set_aside(checkpoint_dir, damage):
+def damaged_file_error(error):
+    """What a load failed on, as a line of at most 200 characters, if a damaged file explains it: one missing,
+    or cut short (OSError, EOFError, json's ValueError, torch.load's RuntimeError); else None. DCP's
+    CheckpointException holds every rank's exception: the first rank's decides."""
+    import textwrap
+
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))[0]
+    damage = (OSError, EOFError, ValueError, RuntimeError)
+    if not isinstance(error, damage) or isinstance(error, torch.OutOfMemoryError):
+        return None
+    return textwrap.shorten(f"{type(error).__name__}: {error}", 200).removesuffix(":")
+
+
+def set_aside(checkpoint_dir, failure):
     os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
-    print(f"warning: checkpoint {checkpoint_dir} is damaged ({damage}); set it aside as "
+    print(f"warning: checkpoint {checkpoint_dir} fails to load ({failure}); set it aside as "
           f"{os.path.basename(checkpoint_dir)}.damaged", file=sys.stderr)
 
 
@@ -877,66 +897,21 @@ def complete_checkpoints(checkpoints_dir):
     return sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
 
 
-def file_digest(path):
-    """(size, CRC-32) of a file, read in 16 MiB pieces: about a second per GB from the page cache."""
-    crc = 0
-    with open(path, "rb") as f:
-        while piece := f.read(1 << 24):
-            crc = zlib.crc32(piece, crc)
-    return [os.path.getsize(path), crc]
-
-
-def write_manifest(checkpoint_dir):
-    """Every rank must call this (from chapter 02 on, an all-gather inside): record the size and checksum of
-    every file of a checkpoint, so that loading can tell a damaged one."""
-    files = sorted(
-        os.path.relpath(os.path.join(folder, name), checkpoint_dir)
-        for folder, _, names in os.walk(checkpoint_dir) for name in names
-    )
-    digests = {name: file_digest(os.path.join(checkpoint_dir, name)) for name in files}
-    write_json(os.path.join(checkpoint_dir, "manifest.json"), digests)
-
-
-def checkpoint_damage(checkpoint_dir, rank=0, world_size=1):
-    """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest. Rank r of
-    world_size checks the manifest's files r, r + world_size, ...: any number of ranks covers every file."""
-    try:
-        with open(os.path.join(checkpoint_dir, "manifest.json")) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        return "manifest.json is missing or unreadable"
-    for name, recorded in sorted(manifest.items())[rank::world_size]:
-        path = os.path.join(checkpoint_dir, name)
-        if not os.path.isfile(path):
-            return f"{name} is missing"
-        if file_digest(path) != recorded:
-            return f"{name} differs from what was written ({os.path.getsize(path)} of {recorded[0]} bytes)"
-    return None
-
-
 @contextmanager
-def checkpoint_folder(exp_dir, state, param_shapes):
+def checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format):
     """Every rank must enter this (from chapter 02 on, collectives inside): the folder the checkpoint of
-    state["step"] is written into, step-N.partial, renamed to step-N once the body has returned and each file's
-    checksum is in the manifest. The rename is atomic: a run killed mid-save leaves the checkpoint before as the
-    newest complete one."""
+    state.step is written into, step-N.partial, renamed to step-N once the body has returned on every rank.
+    The rename is atomic: a run killed mid-save leaves the checkpoint before as the newest complete one."""
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
-    final_dir = os.path.join(checkpoints_dir, f"step-{state['step']:08d}")
+    final_dir = os.path.join(checkpoints_dir, f"step-{state.step:08d}")
     partial_dir = final_dir + ".partial"
-
-    def start():
-        shutil.rmtree(partial_dir, ignore_errors=True)
-        os.makedirs(partial_dir)
-        write_json(os.path.join(partial_dir, "state.json"), {**state, "param_shapes": param_shapes})
-
-    def finish():
-        os.rename(partial_dir, final_dir)
-        remove_old_checkpoints(checkpoints_dir)
-
-    start()
+    shutil.rmtree(partial_dir, ignore_errors=True)
+    os.makedirs(partial_dir)
+    write_json(os.path.join(partial_dir, "state.json"),
+               {**vars(state), "param_shapes": param_shapes, "checkpoint_format": checkpoint_format})
     yield partial_dir
-    write_manifest(partial_dir)
-    finish()
+    os.rename(partial_dir, final_dir)
+    remove_old_checkpoints(checkpoints_dir)
 
 
 def remove_old_checkpoints(checkpoints_dir, keep=2):
@@ -959,33 +934,25 @@ def torch_save(obj, path):
 
 
 def read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, checkpoint_format):
-    """The state.json of a checkpoint, after checking that this run can continue it: the same model, the same
-    fixed flags and this script's checkpoint format."""
+    """The state.json of a checkpoint, after checking that this run can continue it: this script's checkpoint
+    format, the same model and the same fixed flags."""
     with open(os.path.join(checkpoint_dir, "state.json")) as f:
         state = json.load(f)
-    saved_shapes = state.pop("param_shapes")
-    if saved_shapes != param_shapes:
-        sys.exit(
-            f"error: checkpoint {checkpoint_dir} holds a different model "
-            f"({describe_mismatch(saved_shapes, param_shapes)}); "
-            "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
-        )
+    written_as, saved_shapes = state.pop("checkpoint_format"), state.pop("param_shapes")
+    if written_as != checkpoint_format:
+        problem = (f"is {written_as}, this script's are {checkpoint_format}; resume it with the script that "
+                   "wrote it")
+    elif saved_shapes != param_shapes:
+        problem = (f"holds a different model ({describe_mismatch(saved_shapes, param_shapes)}); pass the -m it "
+                   "was trained with")
     # NOTE: on other rows (-s, -d) or in another order (--seed) the saved position would skip or repeat data,
     # and the saved schedule would silently keep the old --lr.
-    if state["fixed_flags"] != fixed_flags:
-        sys.exit(
-            f"error: checkpoint {checkpoint_dir} continues only under the flags it was trained with "
-            f"({describe_mismatch(state['fixed_flags'], fixed_flags)}); "
-            "relaunch with those, or pass a new -e/--experiment-name to start fresh"
-        )
-    # DCP writes a .metadata index; the one-file format has none.
-    written_as = "sharded (DCP)" if os.path.exists(os.path.join(checkpoint_dir, ".metadata")) else "one file"
-    if written_as != checkpoint_format:
-        sys.exit(
-            f"error: checkpoint {checkpoint_dir} is {written_as}, this script's are {checkpoint_format}; resume "
-            "it with the script that wrote it, or pass a new -e/--experiment-name to start fresh"
-        )
-    return state
+    elif state["fixed_flags"] != fixed_flags:
+        problem = (f"continues only under the flags it was trained with "
+                   f"({describe_mismatch(state['fixed_flags'], fixed_flags)}); relaunch with those")
+    else:
+        return state
+    sys.exit(f"error: checkpoint {checkpoint_dir} {problem}, or pass a new -e/--experiment-name to start fresh")
 
 
 def describe_mismatch(saved, current):

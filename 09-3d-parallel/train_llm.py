@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 import warnings
-import zlib
+from dataclasses import dataclass
 from contextlib import contextmanager
 
 import datasets
@@ -119,11 +119,10 @@ def main():
     print(f"rank {rank}: stages {stage_indices}, {stage_params / 1e6:.1f}M parameters")
 
     # Rank 0 fills the datasets cache first; the others then read it instead of racing to write it.
-    loaded_on_rank_0 = []
-    run_on_rank_0(lambda: loaded_on_rank_0.append(load_and_pack(args, tokenizer)))
     if rank != 0:
         datasets.disable_progress_bars()
-    data, val_data = loaded_on_rank_0[0] if rank == 0 else load_and_pack(args, tokenizer)
+    with rank_0_first():
+        data, val_data = load_and_pack(args, tokenizer)
     # Each pipeline computes its rows together, --grad-accum-steps K times -b rows a step, cut into K times
     # --num-microbatches; the dp groups split the data, as in chapter 04.
     dp_rank = mesh.get_local_rank("dp")
@@ -150,25 +149,23 @@ def main():
         optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, total_steps)
     )
 
-    # The data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure function of
-    # (seed, epoch), so resuming needs no replay of skipped batches. loss_window holds the losses summed since
-    # the last log line, so a resumed run logs the same averages as an uninterrupted one. The checkpoint keeps
-    # fixed_flags, which a relaunch must not change: -b, --grad-accum-steps and the number of ranks may change,
-    # the global batch they make may not (it sets what a step is, and which rows are held out).
-    fixed_flags = {"-d/--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
-                   "-s/--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
+    # The flags a relaunch must not change. -b, --grad-accum-steps and the number of ranks may change, not the
+    # global batch they make (it sets what a step is, and which rows are held out): kept as --global-batch-size.
+    fixed_flags = {"--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
+                   "--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
                    "--warmup-steps": args.warmup_steps, "--val-fraction": args.val_fraction,
-                   "the global batch (ranks x -b x --grad-accum-steps)": global_batch_size}
-    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0], "fixed_flags": fixed_flags}
+                   "--global-batch-size": global_batch_size}
     exp_dir = make_experiment_dir(args.save_dir, args.experiment_name)
-    checkpoint_dir = usable_checkpoint(exp_dir)
+    checkpoint_dir, state = load_newest_checkpoint(
+        exp_dir, lambda folder: load_checkpoint(folder, stages, optimizer, lr_schedule, param_shapes, fixed_flags),
+        fresh_state=TrainState(fixed_flags),
+    )
     if checkpoint_dir is not None:
-        state = load_checkpoint(checkpoint_dir, stages, optimizer, lr_schedule, param_shapes, fixed_flags)
-        check_resume_step(state["step"], total_steps, checkpoint_dir)
-        print(f"rank {rank}: resumed from {checkpoint_dir} at step {state['step']}")
+        check_resume_step(state.step, total_steps, checkpoint_dir)
+        print(f"rank {rank}: resumed from {checkpoint_dir} at step {state.step}")
     metrics_path = os.path.join(exp_dir, "metrics.jsonl")
     if rank == 0:
-        truncate_metrics(metrics_path, after_step=state["step"])
+        truncate_metrics(metrics_path, after_step=state.step)
 
     # Compile AFTER parallelizing, each block on its own, as in chapter 07.
     if args.compile:
@@ -206,26 +203,25 @@ def main():
     peak_flops = peak_flops_per_second(device)
     if rank == 0 and peak_flops is not None:
         print(f"MFU is relative to {peak_flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of this GPU")
-    order = epoch_order(len(data), args.seed, state["epoch"])
+    order = epoch_order(len(data), args.seed, state.epoch)
     eval_freq = args.eval_freq or args.ckpt_freq
     stop = False
     # Only the last stage computes losses; the checkpoint's window is theirs.
-    running_loss = torch.tensor(state["loss_window"][0] if has_last_stage else 0.0, device=device)
-    steps_since_log = state["loss_window"][1]
+    running_loss = torch.tensor(state.window_loss_sum if has_last_stage else 0.0, device=device)
     show_progress = rank == 0 and sys.stderr.isatty()
-    progress = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not show_progress)
-    last_log_time, last_log_step = time.perf_counter(), state["step"]
-    profiler = start_profiler(exp_dir, state["step"], total_steps, device) if args.profile else None
+    progress = tqdm(total=total_steps, initial=state.step, desc="training", disable=not show_progress)
+    last_log_time, last_log_step = time.perf_counter(), state.step
+    profiler = start_profiler(exp_dir, state.step, total_steps, device) if args.profile else None
     for stage in stages:
         stage.train()
 
-    while state["step"] < total_steps:
-        if state["samples_in_epoch"] + global_batch_size > len(data):
-            state["epoch"] += 1
-            state["samples_in_epoch"] = 0
-            order = epoch_order(len(data), args.seed, state["epoch"])
-        batch_indices = order[state["samples_in_epoch"] : state["samples_in_epoch"] + global_batch_size]
-        state["samples_in_epoch"] += global_batch_size
+    while state.step < total_steps:
+        if state.samples_in_epoch + global_batch_size > len(data):
+            state.epoch += 1
+            state.samples_in_epoch = 0
+            order = epoch_order(len(data), args.seed, state.epoch)
+        batch_indices = order[state.samples_in_epoch : state.samples_in_epoch + global_batch_size]
+        state.samples_in_epoch += global_batch_size
         rows = data[batch_indices]
         # The step's loss is the mean over every label token of the global batch (as in chapter 08); every rank
         # reads the whole global batch's rows, so it counts them all without an all-reduce. x dp_size: FSDP
@@ -259,50 +255,51 @@ def main():
         step_lr = lr_schedule.get_last_lr()[0]
         lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        state["step"] += 1
+        state.step += 1
         progress.update(1)
 
         # NOTE: nothing in a step reads a value back from the GPU (.item(), printing a tensor): the CPU queues
         # the next step while the GPU computes this one. Losses are summed on the device until a log step.
         # The loss is a replicated DTensor: each rank's local value is its dp group's batch loss.
         running_loss += loss.detach().to_local() if isinstance(loss, DTensor) else loss
-        steps_since_log += 1
+        state.window_steps += 1
         # The validation loss, at each checkpoint (or --eval-freq) and at the end, gets a log line of its own.
-        evaluate_now = val_data is not None and (state["step"] % eval_freq == 0 or state["step"] == total_steps)
-        if state["step"] % args.log_freq == 0 or state["step"] == total_steps or evaluate_now:
+        evaluate_now = val_data is not None and (state.step % eval_freq == 0 or state.step == total_steps)
+        if state.step % args.log_freq == 0 or state.step == total_steps or evaluate_now:
             # NOTE: one all-reduce per log step sums the ranks' losses (only the last stage's dp x tp ranks have
-            # any) and stop flags: a signal may reach one rank only, and all must stop after the same log step.
-            totals = torch.stack([running_loss, torch.tensor(float(bool(stop_signals)), device=device)])
+            # any) and stop votes: a signal may reach one rank only, and all must stop after the same log step.
+            stop_vote = torch.tensor(1.0 if stop_signals else 0.0, device=device)
+            totals = torch.stack([running_loss, stop_vote])
             dist.all_reduce(totals)
             loss_sum, stop_votes = totals.tolist()
-            mean_loss = loss_sum / (dp_size * args.tp) / steps_since_log
+            mean_loss = loss_sum / (dp_size * args.tp) / state.window_steps
             stop = stop_votes > 0
             elapsed = time.perf_counter() - last_log_time
-            tokens_per_s = tokens_per_step * (state["step"] - last_log_step) / elapsed
-            metrics = {"step": state["step"], "epoch": state["epoch"], "loss": mean_loss,
+            tokens_per_s = tokens_per_step * (state.step - last_log_step) / elapsed
+            metrics = {"step": state.step, "epoch": state.epoch, "loss": mean_loss,
                        "grad_norm": grad_norm.item(), "lr": step_lr, "tokens_per_s": tokens_per_s,
                        "peak_memory_gb": peak_memory_gb(device)}
             if evaluate_now:
                 metrics["val_loss"] = evaluate(schedule, stages, loss_divisor, val_data, args, device, mesh,
                                            has_first_stage, has_last_stage)
-            exit_if_diverged(state["step"], mean_loss, metrics["grad_norm"])
+            exit_if_diverged(state.step, mean_loss, metrics["grad_norm"])
             if peak_flops is not None:
                 # tokens_per_s counts the tokens of all ranks, so the peak is that of all their GPUs.
                 metrics["mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
             if rank == 0:
                 log_metrics(metrics_path, metrics, progress)
             if wandb_run is not None:
-                wandb_run.log(metrics, step=state["step"])
+                wandb_run.log(metrics, step=state.step)
             running_loss.zero_()
-            steps_since_log = 0
-            last_log_time, last_log_step = time.perf_counter(), state["step"]
+            state.window_steps = 0
+            last_log_time, last_log_step = time.perf_counter(), state.step
 
-        if stop or state["step"] % args.ckpt_freq == 0 or state["step"] == total_steps:
+        if stop or state.step % args.ckpt_freq == 0 or state.step == total_steps:
             # The window's losses are the last stage's; the checkpoint keeps their mean over its ranks.
             window_loss = running_loss.clone()
             dist.all_reduce(window_loss)
-            state["loss_window"] = [window_loss.item() / (dp_size * args.tp), steps_since_log]
-            exit_if_diverged(state["step"], state["loss_window"][0], grad_norm.item())
+            state.window_loss_sum = window_loss.item() / (dp_size * args.tp)
+            exit_if_diverged(state.step, state.window_loss_sum, grad_norm.item())
             # Each rank holds different slices, so every rank writes its own part of the checkpoint.
             save_checkpoint(exp_dir, state, param_shapes, stages, optimizer, lr_schedule)
         if profiler is not None:
@@ -313,7 +310,7 @@ def main():
     progress.close()
     if profiler is not None:
         profiler.stop()
-    if state["step"] == total_steps:
+    if state.step == total_steps:
         export_hf(os.path.join(exp_dir, "hf"), stages, config, tokenizer, mesh)
     if wandb_run is not None:
         wandb_run.finish()
@@ -322,8 +319,8 @@ def main():
     del schedule, pipeline_stages, stages, tied_copy
     gc.collect()
     dist.destroy_process_group()
-    if state["step"] < total_steps:
-        sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
+    if state.step < total_steps:
+        sys.exit(f"stopped by a signal after step {state.step}; relaunch the same command to resume")
 
 
 def build_model(args, config, device):
@@ -532,7 +529,8 @@ def check_mesh_fits(args, world_size):
     elif args.dp is not None and args.dp != dp_size:
         problem = (f"--pp {args.pp} x --dp {args.dp} x --tp {args.tp} = {args.pp * args.dp * args.tp} ranks, but "
                    f"{world_size} were launched; launch that many processes, or pass --dp {dp_size}")
-    exit_if(problem)
+    if problem:
+        sys.exit(f"error: {problem}")
     return dp_size
 
 
@@ -558,7 +556,8 @@ def check_pipeline_fits(args, config, pp_size, stages_per_rank):
     elif args.schedule == "interleaved-1f1b" and args.num_microbatches % pp_size:
         problem = (f"--schedule interleaved-1f1b sends micro-batches round the ranks in groups of {pp_size}; "
                    f"pass a --num-microbatches that is a multiple of {pp_size}")
-    exit_if(problem)
+    if problem:
+        sys.exit(f"error: {problem}")
 
 
 def check_tensor_parallel_fits(config, seq_length, tp_size):
@@ -589,18 +588,19 @@ def check_tensor_parallel_fits(config, seq_length, tp_size):
 
 
 def save_checkpoint(exp_dir, state, param_shapes, stages, optimizer, lr_schedule):
-    with checkpoint_folder(exp_dir, state, param_shapes) as folder:
+    with checkpoint_folder(exp_dir, state, param_shapes, "sharded (DCP)") as folder:
         # Shards go by offsets and the whole model's parameter names: one layout's checkpoint loads into any.
         # dcp.save writes a file per rank, then rank 0 the index (.metadata); every node must see the folder.
         model_state, optimizer_state, _ = stages_state_dict(stages, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
         # The data order has its own generator; the RNG states cover anything random in the model (dropout).
         training_state = {"lr_schedule": lr_schedule.state_dict(), "rng": rng_state()}
-        run_on_rank_0(lambda: torch_save(training_state, os.path.join(folder, "checkpoint.pt")))
+        if dist.get_rank() == 0:
+            torch_save(training_state, os.path.join(folder, "checkpoint.pt"))
 
 
 def load_checkpoint(checkpoint_dir, stages, optimizer, lr_schedule, param_shapes, fixed_flags):
-    state = read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, "sharded (DCP)")
+    state = TrainState(**read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, "sharded (DCP)"))
     checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
     # dcp.load fills these tensors in place, each rank reading its own shards. The optimizer's state goes through
     # get_state_dict/set_state_dict: optimizer.state_dict() of a fresh optimizer has no tensors to fill.
@@ -852,6 +852,19 @@ def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class TrainState:
+    """What state.json keeps besides the tensors: the data position (an epoch's order is a function of --seed
+    and the epoch alone), the loss summed since the last log line and over how many steps, the fixed flags."""
+    fixed_flags: dict
+    step: int = 0
+    epoch: int = 0
+    samples_in_epoch: int = 0
+    window_loss_sum: float = 0.0
+    window_steps: int = 0
+
 
 
 def epoch_order(num_rows, seed, epoch):
@@ -1118,15 +1131,9 @@ def warn_if_torch_is_older_than_tested():
 
 
 def make_experiment_dir(save_dir, experiment_name):
+    # (check_args has tried a write there: check_save_dir)
     exp_dir = os.path.join(save_dir, experiment_name)
-    try:
-        os.makedirs(exp_dir, exist_ok=True)
-        probe = os.path.join(exp_dir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as error:
-        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
+    os.makedirs(exp_dir, exist_ok=True)
     return exp_dir
 
 
@@ -1149,12 +1156,6 @@ def exit_on_build_error(args):
 def one_line(error):
     """The error's message as one line: some libraries spread it over several, with the cause on the last."""
     return " ".join(str(error).split()) or type(error).__name__
-
-
-def exit_if(problem):
-    """A check above the rule names its problem (None when there is none); this makes it the one-line exit."""
-    if problem:
-        sys.exit(f"error: {problem}")
 
 
 def check_model_fits_tokenizer(args, config, tokenizer):
@@ -1305,62 +1306,97 @@ def request_stop(stop_signals, signum):
 # --- Errors that reach every rank: one rank's failure must not leave the others waiting in a collective ---
 
 
-def run_on_rank_0(fn):
-    """Every rank must call this (a broadcast): fn() on rank 0 alone, its result returned on every rank. If fn
-    fails there (an error line, a full disk, any exception), every rank exits with one line, instead of waiting
-    for rank 0 in the next collective."""
-    outcome, failure = [None, None], None
-    if dist.get_rank() == 0:
-        try:
-            outcome = [fn(), None]
-        except SystemExit as error:
-            outcome = [None, str(error.code)]
-        except Exception as error:
-            failure = error
-            outcome = [None, full_disk_message(error) or f"error: rank 0 stopped with {type(error).__name__}: "
-                                                        f"{one_line(error)} (its traceback is in its output)"]
-    dist.broadcast_object_list(outcome, src=0)
-    if failure is not None and full_disk_message(failure) is None:
+@contextmanager
+def stop_all_ranks_if_one_fails():
+    """Every rank must enter this (an all-gather as the block ends): if the block fails on one rank (an error
+    line, a full disk, any exception), every rank stops with that rank's line instead of waiting for it in the
+    next collective."""
+    failure, line = None, None
+    try:
+        yield
+    except BaseException as error:  # not only Exception: SystemExit is a check's line, DCP's errors are Base
+        failure = error
+        line = str(error.code) if isinstance(error, SystemExit) else full_disk_message(error) or (
+            f"error: rank {dist.get_rank()} stopped with {type(error).__name__}: {one_line(error)} (its "
+            "traceback is in its output)")
+    lines = [None] * dist.get_world_size()
+    dist.all_gather_object(lines, line)
+    if failure is not None:
         raise failure
-    if outcome[1] is not None:
-        sys.exit(outcome[1])
-    return outcome[0]
+    if any(lines):
+        sys.exit(next(filter(None, lines)))
 
 
-# --- Checkpoints that are complete and intact, or set aside: a .partial folder, a manifest, an atomic rename ---
+@contextmanager
+def rank_0_first():
+    """Every rank must enter this (stop_all_ranks_if_one_fails inside): rank 0 runs the block first, the other
+    ranks once it has succeeded there (rank 0 fills a cache that they then read)."""
+    if dist.get_rank() == 0:
+        with stop_all_ranks_if_one_fails():
+            yield
+    else:
+        with stop_all_ranks_if_one_fails():
+            pass
+        yield
 
 
-def usable_checkpoint(exp_dir):
-    """Every rank must call this (from chapter 02 on, collectives inside): the newest complete checkpoint whose
-    files are all as they were written, or None if there is none yet.
+# --- Checkpoints that are complete or ignored: a .partial folder, an atomic rename, a fallback on resume ---
+
+
+def load_newest_checkpoint(exp_dir, load, fresh_state):
+    """Every rank must call this (from chapter 02 on, collectives inside): the newest complete checkpoint's
+    folder and what load(folder) returns, for the newest that loads on every rank; (None, fresh_state) if there
+    is none.
 
     A save writes into step-N.partial and renames it to step-N when done, so a run killed mid-save leaves a
-    .partial folder, which is ignored. A complete one can still be damaged later (a full disk, a node crash
-    before the data reached the disk): it is renamed to step-N.damaged, never deleted, and the one before is used.
-    """
+    .partial folder, which is ignored. A complete one can still fail to load (a file cut short by a full disk,
+    or by a crash before it reached the disk): it is renamed to step-N.damaged, never deleted, and the one
+    before is loaded (every load replaces all the state the failed one may have half filled)."""
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
-    # Rank 0 lists the folder for all: every rank must check the same checkpoints, in the same order.
-    complete = run_on_rank_0(lambda: complete_checkpoints(checkpoints_dir))
-    for name in reversed(complete):
+    # Rank 0 lists the folder for all: every rank must try the same checkpoints, in the same order.
+    names = [complete_checkpoints(checkpoints_dir)]
+    dist.broadcast_object_list(names, src=0)
+    for name in reversed(names[0]):
         checkpoint_dir = os.path.join(checkpoints_dir, name)
-        # Each rank reads its share of the files, in parallel (rank 0 alone would read 5 TB of a 405B run's).
-        damages = [None] * dist.get_world_size()
-        dist.all_gather_object(damages, checkpoint_damage(checkpoint_dir, dist.get_rank(), dist.get_world_size()))
-        damage = next(filter(None, damages), None)
-        if damage is None:
-            return checkpoint_dir
-        run_on_rank_0(lambda: set_aside(checkpoint_dir, damage))
-    if complete:
+        try:
+            loaded, failure = load(checkpoint_dir), None
+        except BaseException as error:  # not only Exception: DCP raises a CheckpointException
+            loaded, failure = None, damaged_file_error(error)
+            if failure is None:  # a check's line (another model, other flags), a bug, no memory: not damage
+                raise
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+        if not any(failures):
+            return checkpoint_dir, loaded
+        with stop_all_ranks_if_one_fails():
+            if dist.get_rank() == 0:
+                set_aside(checkpoint_dir, next(filter(None, failures)))
+    if names[0]:
         sys.exit(
-            f"error: every checkpoint in {checkpoints_dir} is damaged (now *.damaged); move them away to start "
+            f"error: no checkpoint in {checkpoints_dir} loads (each is now *.damaged); move them away to start "
             "fresh, or pass a new -e/--experiment-name"
         )
-    return None
+    return None, fresh_state
 
 
-def set_aside(checkpoint_dir, damage):
+def damaged_file_error(error):
+    """What a load failed on, as a line of at most 200 characters, if a damaged file explains it: one missing,
+    or cut short (OSError, EOFError, json's ValueError, torch.load's RuntimeError); else None. DCP's
+    CheckpointException holds every rank's exception: the first rank's decides."""
+    import textwrap
+
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))[0]
+    damage = (OSError, EOFError, ValueError, RuntimeError)
+    if not isinstance(error, damage) or isinstance(error, torch.OutOfMemoryError):
+        return None
+    return textwrap.shorten(f"{type(error).__name__}: {error}", 200).removesuffix(":")
+
+
+def set_aside(checkpoint_dir, failure):
     os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
-    print(f"warning: checkpoint {checkpoint_dir} is damaged ({damage}); set it aside as "
+    print(f"warning: checkpoint {checkpoint_dir} fails to load ({failure}); set it aside as "
           f"{os.path.basename(checkpoint_dir)}.damaged", file=sys.stderr)
 
 
@@ -1371,74 +1407,28 @@ def complete_checkpoints(checkpoints_dir):
     return sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
 
 
-def file_digest(path):
-    """(size, CRC-32) of a file, read in 16 MiB pieces: about a second per GB from the page cache."""
-    crc = 0
-    with open(path, "rb") as f:
-        while piece := f.read(1 << 24):
-            crc = zlib.crc32(piece, crc)
-    return [os.path.getsize(path), crc]
-
-
-def write_manifest(checkpoint_dir):
-    """Every rank must call this (from chapter 02 on, an all-gather inside): record the size and checksum of
-    every file of a checkpoint, so that loading can tell a damaged one."""
-    files = sorted(
-        os.path.relpath(os.path.join(folder, name), checkpoint_dir)
-        for folder, _, names in os.walk(checkpoint_dir) for name in names
-    )
-    # Each rank checksums its share of the files (rank r: files r, r + N, ...), in parallel with the others;
-    # rank 0 writes the manifest of them all.
-    digests = {name: file_digest(os.path.join(checkpoint_dir, name))
-               for name in files[dist.get_rank() :: dist.get_world_size()]}
-    every_ranks_digests = [None] * dist.get_world_size()
-    dist.all_gather_object(every_ranks_digests, digests)
-    digests = dict(sorted(item for part in every_ranks_digests for item in part.items()))
-    run_on_rank_0(lambda: write_json(os.path.join(checkpoint_dir, "manifest.json"), digests))
-
-
-def checkpoint_damage(checkpoint_dir, rank=0, world_size=1):
-    """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest. Rank r of
-    world_size checks the manifest's files r, r + world_size, ...: any number of ranks covers every file."""
-    try:
-        with open(os.path.join(checkpoint_dir, "manifest.json")) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        return "manifest.json is missing or unreadable"
-    for name, recorded in sorted(manifest.items())[rank::world_size]:
-        path = os.path.join(checkpoint_dir, name)
-        if not os.path.isfile(path):
-            return f"{name} is missing"
-        if file_digest(path) != recorded:
-            return f"{name} differs from what was written ({os.path.getsize(path)} of {recorded[0]} bytes)"
-    return None
-
-
 @contextmanager
-def checkpoint_folder(exp_dir, state, param_shapes):
+def checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format):
     """Every rank must enter this (from chapter 02 on, collectives inside): the folder the checkpoint of
-    state["step"] is written into, step-N.partial, renamed to step-N once the body has returned and each file's
-    checksum is in the manifest. The rename is atomic: a run killed mid-save leaves the checkpoint before as the
-    newest complete one."""
+    state.step is written into, step-N.partial, renamed to step-N once the body has returned on every rank.
+    The rename is atomic: a run killed mid-save leaves the checkpoint before as the newest complete one."""
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
-    final_dir = os.path.join(checkpoints_dir, f"step-{state['step']:08d}")
+    final_dir = os.path.join(checkpoints_dir, f"step-{state.step:08d}")
     partial_dir = final_dir + ".partial"
-
-    def start():
-        shutil.rmtree(partial_dir, ignore_errors=True)
-        os.makedirs(partial_dir)
-        write_json(os.path.join(partial_dir, "state.json"), {**state, "param_shapes": param_shapes})
-
-    def finish():
-        os.rename(partial_dir, final_dir)
-        remove_old_checkpoints(checkpoints_dir)
-
-    # Rank 0 makes the folder and renames it; run_on_rank_0 makes every rank wait for it (once a rank exits,
-    # after a stop, torchrun ends the whole job), and stop with its line if it fails (a full disk).
-    run_on_rank_0(start)
-    yield partial_dir
-    write_manifest(partial_dir)
-    run_on_rank_0(finish)
+    # Rank 0 makes the folder and renames it, and every rank waits for it (once a rank exits, after a stop,
+    # torchrun ends the whole job); a failure on any rank (a full disk) stops every rank with its line.
+    with stop_all_ranks_if_one_fails():
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial_dir, ignore_errors=True)
+            os.makedirs(partial_dir)
+            write_json(os.path.join(partial_dir, "state.json"),
+                       {**vars(state), "param_shapes": param_shapes, "checkpoint_format": checkpoint_format})
+    with stop_all_ranks_if_one_fails():
+        yield partial_dir
+    with stop_all_ranks_if_one_fails():
+        if dist.get_rank() == 0:
+            os.rename(partial_dir, final_dir)
+            remove_old_checkpoints(checkpoints_dir)
 
 
 def remove_old_checkpoints(checkpoints_dir, keep=2):
@@ -1461,33 +1451,25 @@ def torch_save(obj, path):
 
 
 def read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, checkpoint_format):
-    """The state.json of a checkpoint, after checking that this run can continue it: the same model, the same
-    fixed flags and this script's checkpoint format."""
+    """The state.json of a checkpoint, after checking that this run can continue it: this script's checkpoint
+    format, the same model and the same fixed flags."""
     with open(os.path.join(checkpoint_dir, "state.json")) as f:
         state = json.load(f)
-    saved_shapes = state.pop("param_shapes")
-    if saved_shapes != param_shapes:
-        sys.exit(
-            f"error: checkpoint {checkpoint_dir} holds a different model "
-            f"({describe_mismatch(saved_shapes, param_shapes)}); "
-            "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
-        )
+    written_as, saved_shapes = state.pop("checkpoint_format"), state.pop("param_shapes")
+    if written_as != checkpoint_format:
+        problem = (f"is {written_as}, this script's are {checkpoint_format}; resume it with the script that "
+                   "wrote it")
+    elif saved_shapes != param_shapes:
+        problem = (f"holds a different model ({describe_mismatch(saved_shapes, param_shapes)}); pass the -m it "
+                   "was trained with")
     # NOTE: on other rows (-s, -d) or in another order (--seed) the saved position would skip or repeat data,
     # and the saved schedule would silently keep the old --lr.
-    if state["fixed_flags"] != fixed_flags:
-        sys.exit(
-            f"error: checkpoint {checkpoint_dir} continues only under the flags it was trained with "
-            f"({describe_mismatch(state['fixed_flags'], fixed_flags)}); "
-            "relaunch with those, or pass a new -e/--experiment-name to start fresh"
-        )
-    # DCP writes a .metadata index; the one-file format has none.
-    written_as = "sharded (DCP)" if os.path.exists(os.path.join(checkpoint_dir, ".metadata")) else "one file"
-    if written_as != checkpoint_format:
-        sys.exit(
-            f"error: checkpoint {checkpoint_dir} is {written_as}, this script's are {checkpoint_format}; resume "
-            "it with the script that wrote it, or pass a new -e/--experiment-name to start fresh"
-        )
-    return state
+    elif state["fixed_flags"] != fixed_flags:
+        problem = (f"continues only under the flags it was trained with "
+                   f"({describe_mismatch(state['fixed_flags'], fixed_flags)}); relaunch with those")
+    else:
+        return state
+    sys.exit(f"error: checkpoint {checkpoint_dir} {problem}, or pass a new -e/--experiment-name to start fresh")
 
 
 def describe_mismatch(saved, current):

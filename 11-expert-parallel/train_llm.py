@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 import warnings
-import zlib
+from dataclasses import dataclass
 from contextlib import contextmanager
 
 import datasets
@@ -84,11 +84,10 @@ def main():
         print(f"model: {num_params / 1e6:.1f}M parameters, compute in {compute_dtype}")
 
     # Rank 0 fills the datasets cache first; the others then read it instead of racing to write it.
-    loaded_on_rank_0 = []
-    run_on_rank_0(lambda: loaded_on_rank_0.append(load_and_pack(args, tokenizer)))
     if rank != 0:
         datasets.disable_progress_bars()
-    data, val_data = loaded_on_rank_0[0] if rank == 0 else load_and_pack(args, tokenizer)
+    with rank_0_first():
+        data, val_data = load_and_pack(args, tokenizer)
     # A step trains on the global batch: on each rank --grad-accum-steps micro-batches of -b rows, a backward
     # each, their gradients added up before the optimizer step (a batch that does not fit the device at once).
     fit_grad_accum_steps(args, world_size)
@@ -113,27 +112,23 @@ def main():
         optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, total_steps)
     )
 
-    # The data position is (epoch, samples consumed in that epoch). The order of an epoch is a pure function of
-    # (seed, epoch), so resuming needs no replay of skipped batches. loss_window holds the losses summed since
-    # the last log line, so a resumed run logs the same averages as an uninterrupted one. The checkpoint keeps
-    # fixed_flags, which a relaunch must not change: -b, --grad-accum-steps and the number of ranks may change,
-    # the global batch they make may not (it sets what a step is, and which rows are held out).
-    fixed_flags = {"-d/--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
-                   "-s/--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
+    # The flags a relaunch must not change. -b, --grad-accum-steps and the number of ranks may change, not the
+    # global batch they make (it sets what a step is, and which rows are held out): kept as --global-batch-size.
+    fixed_flags = {"--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
+                   "--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
                    "--warmup-steps": args.warmup_steps, "--val-fraction": args.val_fraction,
-                   "--aux-loss-coef": args.aux_loss_coef,
-                   "the global batch (ranks x -b x --grad-accum-steps)": global_batch_size}
-    state = {"step": 0, "epoch": 0, "samples_in_epoch": 0, "loss_window": [0.0, 0], "aux_loss_window": 0.0,
-             "fixed_flags": fixed_flags}
+                   "--aux-loss-coef": args.aux_loss_coef, "--global-batch-size": global_batch_size}
     exp_dir = make_experiment_dir(args.save_dir, args.experiment_name)
-    checkpoint_dir = usable_checkpoint(exp_dir)
+    checkpoint_dir, state = load_newest_checkpoint(
+        exp_dir, lambda folder: load_checkpoint(folder, model, optimizer, lr_schedule, param_shapes, fixed_flags),
+        fresh_state=TrainState(fixed_flags),
+    )
     if checkpoint_dir is not None:
-        state = load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags)
-        check_resume_step(state["step"], total_steps, checkpoint_dir)
-        print(f"rank {rank}: resumed from {checkpoint_dir} at step {state['step']}")
+        check_resume_step(state.step, total_steps, checkpoint_dir)
+        print(f"rank {rank}: resumed from {checkpoint_dir} at step {state.step}")
     metrics_path = os.path.join(exp_dir, "metrics.jsonl")
     if rank == 0:
-        truncate_metrics(metrics_path, after_step=state["step"])
+        truncate_metrics(metrics_path, after_step=state.step)
 
     # Compile AFTER sharding: the all-gathers and reduce-scatters run in FSDP's hooks around each block.
     if args.compile:
@@ -143,27 +138,26 @@ def main():
     peak_flops = peak_flops_per_second(device)
     if rank == 0 and peak_flops is not None:
         print(f"MFU is relative to {peak_flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of this GPU")
-    order = epoch_order(len(data), args.seed, state["epoch"])
+    order = epoch_order(len(data), args.seed, state.epoch)
     eval_freq = args.eval_freq or args.ckpt_freq
     stop = False
-    running_loss = torch.tensor(state["loss_window"][0], device=device)
-    running_aux_loss = torch.tensor(state["aux_loss_window"], device=device)
+    running_loss = torch.tensor(state.window_loss_sum, device=device)
+    running_aux_loss = torch.tensor(state.window_aux_loss_sum, device=device)
     # The model returns its load-balancing loss only when asked for the routers' logits.
     router_outputs = {"output_router_logits": True} if args.aux_loss_coef else {}
-    steps_since_log = state["loss_window"][1]
     show_progress = rank == 0 and sys.stderr.isatty()
-    progress = tqdm(total=total_steps, initial=state["step"], desc="training", disable=not show_progress)
-    last_log_time, last_log_step = time.perf_counter(), state["step"]
-    profiler = start_profiler(exp_dir, state["step"], total_steps, device) if args.profile else None
+    progress = tqdm(total=total_steps, initial=state.step, desc="training", disable=not show_progress)
+    last_log_time, last_log_step = time.perf_counter(), state.step
+    profiler = start_profiler(exp_dir, state.step, total_steps, device) if args.profile else None
     model.train()
 
-    while state["step"] < total_steps:
-        if state["samples_in_epoch"] + global_batch_size > len(data):
-            state["epoch"] += 1
-            state["samples_in_epoch"] = 0
-            order = epoch_order(len(data), args.seed, state["epoch"])
-        batch_indices = order[state["samples_in_epoch"] : state["samples_in_epoch"] + global_batch_size]
-        state["samples_in_epoch"] += global_batch_size
+    while state.step < total_steps:
+        if state.samples_in_epoch + global_batch_size > len(data):
+            state.epoch += 1
+            state.samples_in_epoch = 0
+            order = epoch_order(len(data), args.seed, state.epoch)
+        batch_indices = order[state.samples_in_epoch : state.samples_in_epoch + global_batch_size]
+        state.samples_in_epoch += global_batch_size
         rows = data[batch_indices]
         # The step's loss is the mean over every label token of the global batch, what one pass over it gives:
         # each micro-batch's summed loss over that count, not its mean over K (a row with a masked prompt has
@@ -201,51 +195,51 @@ def main():
         step_lr = lr_schedule.get_last_lr()[0]
         lr_schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        state["step"] += 1
+        state.step += 1
         progress.update(1)
 
-        steps_since_log += 1
+        state.window_steps += 1
         # The validation loss, at each checkpoint (or --eval-freq) and at the end, gets a log line of its own.
-        evaluate_now = val_data is not None and (state["step"] % eval_freq == 0 or state["step"] == total_steps)
-        if state["step"] % args.log_freq == 0 or state["step"] == total_steps or evaluate_now:
+        evaluate_now = val_data is not None and (state.step % eval_freq == 0 or state.step == total_steps)
+        if state.step % args.log_freq == 0 or state.step == total_steps or evaluate_now:
             # NOTE: one all-reduce per log step sums the ranks' losses (their mean is the global batch's) and
-            # stop flags: a signal may reach one rank only, and all must stop after the same log step.
-            totals = torch.stack([running_loss, running_aux_loss,
-                                  torch.tensor(float(bool(stop_signals)), device=device)])
+            # stop votes: a signal may reach one rank only, and all must stop after the same log step.
+            stop_vote = torch.tensor(1.0 if stop_signals else 0.0, device=device)
+            totals = torch.stack([running_loss, running_aux_loss, stop_vote])
             dist.all_reduce(totals)
             loss_sum, aux_loss_sum, stop_votes = totals.tolist()
-            mean_loss = loss_sum / world_size / steps_since_log
+            mean_loss = loss_sum / world_size / state.window_steps
             stop = stop_votes > 0
             elapsed = time.perf_counter() - last_log_time
-            tokens_per_s = tokens_per_step * (state["step"] - last_log_step) / elapsed
-            metrics = {"step": state["step"], "epoch": state["epoch"], "loss": mean_loss,
+            tokens_per_s = tokens_per_step * (state.step - last_log_step) / elapsed
+            metrics = {"step": state.step, "epoch": state.epoch, "loss": mean_loss,
                        "grad_norm": grad_norm.item(), "lr": step_lr, "tokens_per_s": tokens_per_s,
                        "peak_memory_gb": peak_memory_gb(device)}
             if args.aux_loss_coef:
-                metrics["aux_loss"] = aux_loss_sum / world_size / steps_since_log
+                metrics["aux_loss"] = aux_loss_sum / world_size / state.window_steps
             metrics.update(expert_parallel.load_of_last_step())
             if evaluate_now:
                 metrics["val_loss"] = evaluate(model, val_data, args, device)
-            exit_if_diverged(state["step"], mean_loss, metrics["grad_norm"])
+            exit_if_diverged(state.step, mean_loss, metrics["grad_norm"])
             if peak_flops is not None:
                 # tokens_per_s counts the tokens of all ranks, so the peak is that of all their GPUs.
                 metrics["mfu"] = tokens_per_s * flops_per_token / (peak_flops * world_size)
             if rank == 0:
                 log_metrics(metrics_path, metrics, progress)
             if wandb_run is not None:
-                wandb_run.log(metrics, step=state["step"])
+                wandb_run.log(metrics, step=state.step)
             running_loss.zero_()
             running_aux_loss.zero_()
-            steps_since_log = 0
-            last_log_time, last_log_step = time.perf_counter(), state["step"]
+            state.window_steps = 0
+            last_log_time, last_log_step = time.perf_counter(), state.step
 
-        if stop or state["step"] % args.ckpt_freq == 0 or state["step"] == total_steps:
+        if stop or state.step % args.ckpt_freq == 0 or state.step == total_steps:
             # The window's losses are this rank's; the checkpoint keeps their mean over ranks.
             dist.all_reduce(running_loss, op=dist.ReduceOp.AVG)
             dist.all_reduce(running_aux_loss, op=dist.ReduceOp.AVG)
-            state["loss_window"] = [running_loss.item(), steps_since_log]
-            state["aux_loss_window"] = running_aux_loss.item()
-            exit_if_diverged(state["step"], state["loss_window"][0], grad_norm.item())
+            state.window_loss_sum = running_loss.item()
+            state.window_aux_loss_sum = running_aux_loss.item()
+            exit_if_diverged(state.step, state.window_loss_sum, grad_norm.item())
             # Each rank holds different shards, so every rank writes its own part of the checkpoint.
             save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
         if profiler is not None:
@@ -256,7 +250,7 @@ def main():
     progress.close()
     if profiler is not None:
         profiler.stop()
-    if state["step"] == total_steps:
+    if state.step == total_steps:
         export_hf(os.path.join(exp_dir, "hf"), model, tokenizer)
     if wandb_run is not None:
         wandb_run.finish()
@@ -265,8 +259,8 @@ def main():
     del model
     gc.collect()
     dist.destroy_process_group()
-    if state["step"] < total_steps:
-        sys.exit(f"stopped by a signal after step {state['step']}; relaunch the same command to resume")
+    if state.step < total_steps:
+        sys.exit(f"stopped by a signal after step {state.step}; relaunch the same command to resume")
 
 
 def process_group_backend(device, cpu_offload):
@@ -306,7 +300,8 @@ def check_expert_parallel_fits(args, config, world_size):
         problem = f"--aux-loss-coef {args.aux_loss_coef} is negative; pass 0 (no load-balancing loss) or more"
     elif args.aux_loss_coef and not hasattr(config, "router_aux_loss_coef"):
         problem = (f"{config.model_type} defines no load-balancing loss to add; pass --aux-loss-coef 0")
-    exit_if(problem)
+    if problem:
+        sys.exit(f"error: {problem}")
 
 
 def expert_modules(model):
@@ -322,7 +317,8 @@ def expert_modules(model):
     elif len({module.num_experts for module in experts}) > 1:
         problem = (f"{type(model).__name__} has MoE layers with different numbers of experts, which this chapter "
                    "does not split; train this model with chapter 04")
-    exit_if(problem)
+    if problem:
+        sys.exit(f"error: {problem}")
     return experts
 
 
@@ -334,8 +330,9 @@ def experts_per_token(config):
     """k, the experts each token goes through, under the name the model's config gives it."""
     config = config.get_text_config()
     names = [name for name in ("num_experts_per_tok", "top_k_experts", "moe_topk") if getattr(config, name, None)]
-    exit_if(not names and f"{config.model_type}'s config names no number of experts a token takes "
-            "(num_experts_per_tok); train this model with chapter 04")
+    if not names:
+        sys.exit(f"error: {config.model_type}'s config names no number of experts a token takes "
+                 "(num_experts_per_tok); train this model with chapter 04")
     return getattr(config, names[0])
 
 
@@ -352,7 +349,8 @@ def shard_experts(experts, expert_mesh, fsdp_options):
             list(experts.parameters())) or getattr(experts, "has_post_expert_norm", False):
         problem = (f"{type(experts).__name__} holds weights that are not one slice per expert, which this "
                    "chapter does not split; train this model with chapter 04")
-    exit_if(problem)
+    if problem:
+        sys.exit(f"error: {problem}")
     for name, weight in weights.items():
         sharded = distribute_tensor(weight, expert_mesh["ep"], [Shard(0)])
         experts.register_parameter(name, torch.nn.Parameter(sharded))
@@ -609,17 +607,14 @@ def initialize_weights(model, mesh, seed):
 def load_pretrained_weights(model, model_name):
     """Rank 0 reads the checkpoint into CPU memory; the others get their shards from it, tensor by tensor."""
     full_state_dict = {}
-
-    def read_on_rank_0():
-        with exit_on_error(f"cannot load the weights of {model_name!r}",
-                           "pass a model whose weights are there, or leave out --from-pretrained",
-                           (ImportError, ValueError, OSError)):
-            full_state_dict.update(
-                transformers.AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32).state_dict()
-            )
-
-    # run_on_rank_0: if rank 0 cannot read them, every rank exits with its line, not in the broadcast below.
-    run_on_rank_0(read_on_rank_0)
+    # If rank 0 cannot read them, every rank stops with its line, not in the broadcast below.
+    with stop_all_ranks_if_one_fails(), exit_on_error(
+        f"cannot load the weights of {model_name!r}",
+        "pass a model whose weights are there, or leave out --from-pretrained", (ImportError, ValueError, OSError)
+    ):
+        if dist.get_rank() == 0:
+            full_model = transformers.AutoModelForCausalLM.from_pretrained(model_name, dtype=torch.float32)
+            full_state_dict = full_model.state_dict()
     # Rank 0 holds one full fp32 copy (4 bytes per parameter) in CPU memory until this returns.
     set_model_state_dict(
         model, full_state_dict, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -627,18 +622,19 @@ def load_pretrained_weights(model, model_name):
 
 
 def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
-    with checkpoint_folder(exp_dir, state, param_shapes) as folder:
+    with checkpoint_folder(exp_dir, state, param_shapes, "sharded (DCP)") as folder:
         # get_state_dict names shards by parameter name and offsets: a checkpoint of N ranks loads into any number.
         # dcp.save writes a file per rank, then rank 0 the index (.metadata); every node must see the folder.
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
         # The data order has its own generator; the RNG states cover anything random in the model (dropout).
         training_state = {"lr_schedule": lr_schedule.state_dict(), "rng": rng_state()}
-        run_on_rank_0(lambda: torch_save(training_state, os.path.join(folder, "checkpoint.pt")))
+        if dist.get_rank() == 0:
+            torch_save(training_state, os.path.join(folder, "checkpoint.pt"))
 
 
 def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags):
-    state = read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, "sharded (DCP)")
+    state = TrainState(**read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, "sharded (DCP)"))
     checkpoint = torch.load(os.path.join(checkpoint_dir, "checkpoint.pt"), map_location="cpu", weights_only=True)
     # dcp.load fills these tensors in place, each rank reading its own shards. The optimizer's state goes through
     # get_state_dict/set_state_dict: optimizer.state_dict() of a fresh optimizer has no tensors to fill.
@@ -856,6 +852,20 @@ def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
         return (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass
+class TrainState:
+    """What state.json keeps besides the tensors: the data position (an epoch's order is a function of --seed
+    and the epoch alone), the loss summed since the last log line and over how many steps, the fixed flags."""
+    fixed_flags: dict
+    step: int = 0
+    epoch: int = 0
+    samples_in_epoch: int = 0
+    window_loss_sum: float = 0.0
+    window_steps: int = 0
+    window_aux_loss_sum: float = 0.0  # the load-balancing loss's, logged beside the loss
+
 
 
 def epoch_order(num_rows, seed, epoch):
@@ -1122,15 +1132,9 @@ def warn_if_torch_is_older_than_tested():
 
 
 def make_experiment_dir(save_dir, experiment_name):
+    # (check_args has tried a write there: check_save_dir)
     exp_dir = os.path.join(save_dir, experiment_name)
-    try:
-        os.makedirs(exp_dir, exist_ok=True)
-        probe = os.path.join(exp_dir, f".write-test-{os.getpid()}")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as error:
-        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
+    os.makedirs(exp_dir, exist_ok=True)
     return exp_dir
 
 
@@ -1153,12 +1157,6 @@ def exit_on_build_error(args):
 def one_line(error):
     """The error's message as one line: some libraries spread it over several, with the cause on the last."""
     return " ".join(str(error).split()) or type(error).__name__
-
-
-def exit_if(problem):
-    """A check above the rule names its problem (None when there is none); this makes it the one-line exit."""
-    if problem:
-        sys.exit(f"error: {problem}")
 
 
 def check_model_fits_tokenizer(args, config, tokenizer):
@@ -1309,62 +1307,97 @@ def request_stop(stop_signals, signum):
 # --- Errors that reach every rank: one rank's failure must not leave the others waiting in a collective ---
 
 
-def run_on_rank_0(fn):
-    """Every rank must call this (a broadcast): fn() on rank 0 alone, its result returned on every rank. If fn
-    fails there (an error line, a full disk, any exception), every rank exits with one line, instead of waiting
-    for rank 0 in the next collective."""
-    outcome, failure = [None, None], None
-    if dist.get_rank() == 0:
-        try:
-            outcome = [fn(), None]
-        except SystemExit as error:
-            outcome = [None, str(error.code)]
-        except Exception as error:
-            failure = error
-            outcome = [None, full_disk_message(error) or f"error: rank 0 stopped with {type(error).__name__}: "
-                                                        f"{one_line(error)} (its traceback is in its output)"]
-    dist.broadcast_object_list(outcome, src=0)
-    if failure is not None and full_disk_message(failure) is None:
+@contextmanager
+def stop_all_ranks_if_one_fails():
+    """Every rank must enter this (an all-gather as the block ends): if the block fails on one rank (an error
+    line, a full disk, any exception), every rank stops with that rank's line instead of waiting for it in the
+    next collective."""
+    failure, line = None, None
+    try:
+        yield
+    except BaseException as error:  # not only Exception: SystemExit is a check's line, DCP's errors are Base
+        failure = error
+        line = str(error.code) if isinstance(error, SystemExit) else full_disk_message(error) or (
+            f"error: rank {dist.get_rank()} stopped with {type(error).__name__}: {one_line(error)} (its "
+            "traceback is in its output)")
+    lines = [None] * dist.get_world_size()
+    dist.all_gather_object(lines, line)
+    if failure is not None:
         raise failure
-    if outcome[1] is not None:
-        sys.exit(outcome[1])
-    return outcome[0]
+    if any(lines):
+        sys.exit(next(filter(None, lines)))
 
 
-# --- Checkpoints that are complete and intact, or set aside: a .partial folder, a manifest, an atomic rename ---
+@contextmanager
+def rank_0_first():
+    """Every rank must enter this (stop_all_ranks_if_one_fails inside): rank 0 runs the block first, the other
+    ranks once it has succeeded there (rank 0 fills a cache that they then read)."""
+    if dist.get_rank() == 0:
+        with stop_all_ranks_if_one_fails():
+            yield
+    else:
+        with stop_all_ranks_if_one_fails():
+            pass
+        yield
 
 
-def usable_checkpoint(exp_dir):
-    """Every rank must call this (from chapter 02 on, collectives inside): the newest complete checkpoint whose
-    files are all as they were written, or None if there is none yet.
+# --- Checkpoints that are complete or ignored: a .partial folder, an atomic rename, a fallback on resume ---
+
+
+def load_newest_checkpoint(exp_dir, load, fresh_state):
+    """Every rank must call this (from chapter 02 on, collectives inside): the newest complete checkpoint's
+    folder and what load(folder) returns, for the newest that loads on every rank; (None, fresh_state) if there
+    is none.
 
     A save writes into step-N.partial and renames it to step-N when done, so a run killed mid-save leaves a
-    .partial folder, which is ignored. A complete one can still be damaged later (a full disk, a node crash
-    before the data reached the disk): it is renamed to step-N.damaged, never deleted, and the one before is used.
-    """
+    .partial folder, which is ignored. A complete one can still fail to load (a file cut short by a full disk,
+    or by a crash before it reached the disk): it is renamed to step-N.damaged, never deleted, and the one
+    before is loaded (every load replaces all the state the failed one may have half filled)."""
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
-    # Rank 0 lists the folder for all: every rank must check the same checkpoints, in the same order.
-    complete = run_on_rank_0(lambda: complete_checkpoints(checkpoints_dir))
-    for name in reversed(complete):
+    # Rank 0 lists the folder for all: every rank must try the same checkpoints, in the same order.
+    names = [complete_checkpoints(checkpoints_dir)]
+    dist.broadcast_object_list(names, src=0)
+    for name in reversed(names[0]):
         checkpoint_dir = os.path.join(checkpoints_dir, name)
-        # Each rank reads its share of the files, in parallel (rank 0 alone would read 5 TB of a 405B run's).
-        damages = [None] * dist.get_world_size()
-        dist.all_gather_object(damages, checkpoint_damage(checkpoint_dir, dist.get_rank(), dist.get_world_size()))
-        damage = next(filter(None, damages), None)
-        if damage is None:
-            return checkpoint_dir
-        run_on_rank_0(lambda: set_aside(checkpoint_dir, damage))
-    if complete:
+        try:
+            loaded, failure = load(checkpoint_dir), None
+        except BaseException as error:  # not only Exception: DCP raises a CheckpointException
+            loaded, failure = None, damaged_file_error(error)
+            if failure is None:  # a check's line (another model, other flags), a bug, no memory: not damage
+                raise
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+        if not any(failures):
+            return checkpoint_dir, loaded
+        with stop_all_ranks_if_one_fails():
+            if dist.get_rank() == 0:
+                set_aside(checkpoint_dir, next(filter(None, failures)))
+    if names[0]:
         sys.exit(
-            f"error: every checkpoint in {checkpoints_dir} is damaged (now *.damaged); move them away to start "
+            f"error: no checkpoint in {checkpoints_dir} loads (each is now *.damaged); move them away to start "
             "fresh, or pass a new -e/--experiment-name"
         )
-    return None
+    return None, fresh_state
 
 
-def set_aside(checkpoint_dir, damage):
+def damaged_file_error(error):
+    """What a load failed on, as a line of at most 200 characters, if a damaged file explains it: one missing,
+    or cut short (OSError, EOFError, json's ValueError, torch.load's RuntimeError); else None. DCP's
+    CheckpointException holds every rank's exception: the first rank's decides."""
+    import textwrap
+
+    failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))[0]
+    damage = (OSError, EOFError, ValueError, RuntimeError)
+    if not isinstance(error, damage) or isinstance(error, torch.OutOfMemoryError):
+        return None
+    return textwrap.shorten(f"{type(error).__name__}: {error}", 200).removesuffix(":")
+
+
+def set_aside(checkpoint_dir, failure):
     os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
-    print(f"warning: checkpoint {checkpoint_dir} is damaged ({damage}); set it aside as "
+    print(f"warning: checkpoint {checkpoint_dir} fails to load ({failure}); set it aside as "
           f"{os.path.basename(checkpoint_dir)}.damaged", file=sys.stderr)
 
 
@@ -1375,74 +1408,28 @@ def complete_checkpoints(checkpoints_dir):
     return sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
 
 
-def file_digest(path):
-    """(size, CRC-32) of a file, read in 16 MiB pieces: about a second per GB from the page cache."""
-    crc = 0
-    with open(path, "rb") as f:
-        while piece := f.read(1 << 24):
-            crc = zlib.crc32(piece, crc)
-    return [os.path.getsize(path), crc]
-
-
-def write_manifest(checkpoint_dir):
-    """Every rank must call this (from chapter 02 on, an all-gather inside): record the size and checksum of
-    every file of a checkpoint, so that loading can tell a damaged one."""
-    files = sorted(
-        os.path.relpath(os.path.join(folder, name), checkpoint_dir)
-        for folder, _, names in os.walk(checkpoint_dir) for name in names
-    )
-    # Each rank checksums its share of the files (rank r: files r, r + N, ...), in parallel with the others;
-    # rank 0 writes the manifest of them all.
-    digests = {name: file_digest(os.path.join(checkpoint_dir, name))
-               for name in files[dist.get_rank() :: dist.get_world_size()]}
-    every_ranks_digests = [None] * dist.get_world_size()
-    dist.all_gather_object(every_ranks_digests, digests)
-    digests = dict(sorted(item for part in every_ranks_digests for item in part.items()))
-    run_on_rank_0(lambda: write_json(os.path.join(checkpoint_dir, "manifest.json"), digests))
-
-
-def checkpoint_damage(checkpoint_dir, rank=0, world_size=1):
-    """What is wrong with a checkpoint's files (a line), or None when every file matches its manifest. Rank r of
-    world_size checks the manifest's files r, r + world_size, ...: any number of ranks covers every file."""
-    try:
-        with open(os.path.join(checkpoint_dir, "manifest.json")) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError):
-        return "manifest.json is missing or unreadable"
-    for name, recorded in sorted(manifest.items())[rank::world_size]:
-        path = os.path.join(checkpoint_dir, name)
-        if not os.path.isfile(path):
-            return f"{name} is missing"
-        if file_digest(path) != recorded:
-            return f"{name} differs from what was written ({os.path.getsize(path)} of {recorded[0]} bytes)"
-    return None
-
-
 @contextmanager
-def checkpoint_folder(exp_dir, state, param_shapes):
+def checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format):
     """Every rank must enter this (from chapter 02 on, collectives inside): the folder the checkpoint of
-    state["step"] is written into, step-N.partial, renamed to step-N once the body has returned and each file's
-    checksum is in the manifest. The rename is atomic: a run killed mid-save leaves the checkpoint before as the
-    newest complete one."""
+    state.step is written into, step-N.partial, renamed to step-N once the body has returned on every rank.
+    The rename is atomic: a run killed mid-save leaves the checkpoint before as the newest complete one."""
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
-    final_dir = os.path.join(checkpoints_dir, f"step-{state['step']:08d}")
+    final_dir = os.path.join(checkpoints_dir, f"step-{state.step:08d}")
     partial_dir = final_dir + ".partial"
-
-    def start():
-        shutil.rmtree(partial_dir, ignore_errors=True)
-        os.makedirs(partial_dir)
-        write_json(os.path.join(partial_dir, "state.json"), {**state, "param_shapes": param_shapes})
-
-    def finish():
-        os.rename(partial_dir, final_dir)
-        remove_old_checkpoints(checkpoints_dir)
-
-    # Rank 0 makes the folder and renames it; run_on_rank_0 makes every rank wait for it (once a rank exits,
-    # after a stop, torchrun ends the whole job), and stop with its line if it fails (a full disk).
-    run_on_rank_0(start)
-    yield partial_dir
-    write_manifest(partial_dir)
-    run_on_rank_0(finish)
+    # Rank 0 makes the folder and renames it, and every rank waits for it (once a rank exits, after a stop,
+    # torchrun ends the whole job); a failure on any rank (a full disk) stops every rank with its line.
+    with stop_all_ranks_if_one_fails():
+        if dist.get_rank() == 0:
+            shutil.rmtree(partial_dir, ignore_errors=True)
+            os.makedirs(partial_dir)
+            write_json(os.path.join(partial_dir, "state.json"),
+                       {**vars(state), "param_shapes": param_shapes, "checkpoint_format": checkpoint_format})
+    with stop_all_ranks_if_one_fails():
+        yield partial_dir
+    with stop_all_ranks_if_one_fails():
+        if dist.get_rank() == 0:
+            os.rename(partial_dir, final_dir)
+            remove_old_checkpoints(checkpoints_dir)
 
 
 def remove_old_checkpoints(checkpoints_dir, keep=2):
@@ -1465,33 +1452,25 @@ def torch_save(obj, path):
 
 
 def read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, checkpoint_format):
-    """The state.json of a checkpoint, after checking that this run can continue it: the same model, the same
-    fixed flags and this script's checkpoint format."""
+    """The state.json of a checkpoint, after checking that this run can continue it: this script's checkpoint
+    format, the same model and the same fixed flags."""
     with open(os.path.join(checkpoint_dir, "state.json")) as f:
         state = json.load(f)
-    saved_shapes = state.pop("param_shapes")
-    if saved_shapes != param_shapes:
-        sys.exit(
-            f"error: checkpoint {checkpoint_dir} holds a different model "
-            f"({describe_mismatch(saved_shapes, param_shapes)}); "
-            "pass the -m it was trained with, or a new -e/--experiment-name to start fresh"
-        )
+    written_as, saved_shapes = state.pop("checkpoint_format"), state.pop("param_shapes")
+    if written_as != checkpoint_format:
+        problem = (f"is {written_as}, this script's are {checkpoint_format}; resume it with the script that "
+                   "wrote it")
+    elif saved_shapes != param_shapes:
+        problem = (f"holds a different model ({describe_mismatch(saved_shapes, param_shapes)}); pass the -m it "
+                   "was trained with")
     # NOTE: on other rows (-s, -d) or in another order (--seed) the saved position would skip or repeat data,
     # and the saved schedule would silently keep the old --lr.
-    if state["fixed_flags"] != fixed_flags:
-        sys.exit(
-            f"error: checkpoint {checkpoint_dir} continues only under the flags it was trained with "
-            f"({describe_mismatch(state['fixed_flags'], fixed_flags)}); "
-            "relaunch with those, or pass a new -e/--experiment-name to start fresh"
-        )
-    # DCP writes a .metadata index; the one-file format has none.
-    written_as = "sharded (DCP)" if os.path.exists(os.path.join(checkpoint_dir, ".metadata")) else "one file"
-    if written_as != checkpoint_format:
-        sys.exit(
-            f"error: checkpoint {checkpoint_dir} is {written_as}, this script's are {checkpoint_format}; resume "
-            "it with the script that wrote it, or pass a new -e/--experiment-name to start fresh"
-        )
-    return state
+    elif state["fixed_flags"] != fixed_flags:
+        problem = (f"continues only under the flags it was trained with "
+                   f"({describe_mismatch(state['fixed_flags'], fixed_flags)}); relaunch with those")
+    else:
+        return state
+    sys.exit(f"error: checkpoint {checkpoint_dir} {problem}, or pass a new -e/--experiment-name to start fresh")
 
 
 def describe_mismatch(saved, current):

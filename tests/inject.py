@@ -22,8 +22,6 @@ INJECT=fill-disk      fill the file system of the folder INJECT_FILL_DIR right a
                       file "filler" there takes all its free space), so that the next write there fails
 INJECT=kept-outputs   after the k-th step, print "rank r: kept_output_chunks N": the micro-batch outputs that this
                       rank's pipeline stages still hold (a schedule keeps each one unless told not to)
-INJECT=checksums      print "rank r: checksums step-N[.partial]/<file>" for every checkpoint file this rank reads
-                      to checksum it (opened within the script's file_digest), when saving and when resuming
 INJECT=ddp-all-reduces  at exit, print "rank r: ddp_all_reduces {json}": the gradient all-reduces DDP ran (its
                       buckets), by optimizer step (1 = the first)
 INJECT=label-counts   at exit, print "rank r: label_counts [n, ...]": the label tokens (not -100) of each
@@ -205,19 +203,6 @@ elif what == "applied-lr":
 
     register_optimizer_step_pre_hook(report_lr)
     register_optimizer_step_post_hook(count_steps)
-elif what == "checksums":
-    def report_checksums(event, args):
-        # Python's audit event for every open(): (path, mode, flags).
-        if event != "open" or not isinstance(args[0], str) or "/checkpoints/step-" not in args[0]:
-            return
-        frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_name != "file_digest":
-            frame = frame.f_back
-        if frame is not None:
-            sys.stdout.write(f"rank {rank}: checksums {args[0].split('/checkpoints/')[1]}\n")
-            sys.stdout.flush()
-
-    sys.addaudithook(report_checksums)
 elif what == "ddp-all-reduces":
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel

@@ -229,7 +229,7 @@ def test_ranks_agree_on_a_stop_at_log_steps_without_a_collective_every_step(comm
         # would make every step wait; step 0 is the setup (data, checkpoint search).
         assert sorted(int(step) for step in by_step) == [0, 5, 10], by_step
         assert by_step["5"] == ["all_reduce"]
-        # The last step: its log line's all-reduce, then the checkpoint's (the logging window, the checksums).
+        # The last step: its log line's all-reduce, then the checkpoint's (the logging window).
         assert by_step["10"][:2] == ["all_reduce", "all_reduce"], by_step
 
     stopped = launch_once("02", [*common_args, "-b", 8, "--max-steps", 15, "--log-freq", 5], nproc=2,

@@ -270,6 +270,7 @@ def test_cpu_offload_on_gpus_gives_the_cpu_tensors_gloo(chapter):
     assert backend(gpu, False) == "nccl"
     assert backend(torch.device("cpu"), True) == backend(torch.device("cpu"), False) == "gloo"
 
+
 def test_a_damaged_sharded_checkpoint_is_set_aside_and_the_previous_one_resumes(
     fsdp_two_ranks, common_args, tmp_path
 ):
@@ -283,36 +284,9 @@ def test_a_damaged_sharded_checkpoint_is_set_aside_and_the_previous_one_resumes(
     shard.write_bytes(shard.read_bytes()[:100])
 
     resumed = run_chapter("04", args, tmp_path, nproc=2)
-    assert f"checkpoint {checkpoints / 'step-00000003'} is damaged ({shard.name} differs" in resumed.stderr
+    # (DCP gathers every rank's failure into one exception that every rank raises: the first rank's is named)
+    assert re.search(rf"checkpoint {re.escape(str(checkpoints / 'step-00000003'))} fails to load \(\w+(: [^\n]+)?\); "
+                     "set it aside", resumed.stderr)
     assert resumed.stdout.count("step-00000002 at step 2") == 2
     assert resumed.losses == fsdp_two_ranks.losses
     assert (checkpoints / "step-00000003.damaged" / shard.name).exists()
-
-
-def checksummed(run, folder):
-    """{rank: the files of checkpoint `folder` it read to checksum them} (tests/inject.py's checksums probe)."""
-    found = {}
-    for rank, path in re.findall(rf"^rank (\d+): checksums {re.escape(folder)}/(\S+)$", run.stdout, re.MULTILINE):
-        found.setdefault(int(rank), set()).add(path)
-    return found
-
-
-def test_each_rank_checksums_a_share_of_the_files_and_checks_the_same_share_on_resume(common_args, tmp_path):
-    """At 405B a checkpoint is ~5 TB: rank 0 alone would read all of it, once to checksum it and again on every
-    restart, while the others wait. Rank r of 4 checksums files r, r + 4, ... by name, saving and resuming."""
-    args = [*common_args, *on(4), "--ckpt-freq", 1000]
-    env = inject_env("04", "checksums")
-    saved = run_chapter("04", [*args, "--max-steps", 2], tmp_path, nproc=4, script=INJECT, env=env)
-    resumed = run_chapter("04", [*args, "--max-steps", 3], tmp_path, nproc=4, script=INJECT, env=env)
-    assert resumed.stdout.count("at step 2") == 4
-
-    files = sorted(path.name for path in (resumed.exp_dir / "checkpoints" / "step-00000002").iterdir()
-                   if path.name != "manifest.json")
-    assert len(files) == 7, files  # 4 shards, DCP's index, checkpoint.pt and state.json
-    expected = {rank: set(files[rank::4]) for rank in range(4)}
-    assert checksummed(saved, "step-00000002.partial") == expected
-    assert checksummed(resumed, "step-00000002") == expected
-    assert checksummed(resumed, "step-00000003.partial") == expected
-    for step in (2, 3):
-        manifest = json.loads((resumed.exp_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json").read_text())
-        assert set(manifest) == set().union(*expected.values())

@@ -52,7 +52,7 @@ def assert_every_rank_prints_one_line(run, pattern, nproc=2):
 
 # the saved data position counts rows of -s + 1 tokens: under another -s it would skip or repeat data
 OTHER_ROWS = (r"error: checkpoint [^\n]*step-00000002 continues only under the flags it was trained with "
-              r"\(-s/--seq-length: 32 in the checkpoint, 16 now\); relaunch [^\n]*")
+              r"\(--seq-length: 32 in the checkpoint, 16 now\); relaunch [^\n]*")
 # chapters 01-02 write one file, 04-09 shard it with DCP
 OTHER_FORMAT = r"error: checkpoint [^\n]*step-00000002 is {}, this script's are {}; [^\n]*-e/--experiment-name"
 # name: (the chapter that writes a checkpoint at step 2, its layout flags, the chapter that resumes it, the flags

@@ -381,7 +381,7 @@ def test_a_load_that_fails_for_a_reason_other_than_a_damaged_file_sets_nothing_a
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000005"]
 
 
-def test_with_every_checkpoint_damaged_it_stops_with_one_line(common_args, tmp_path):
+def test_when_no_checkpoint_loads_it_stops_with_one_line_and_sets_each_aside(common_args, tmp_path):
     args = [*common_args, *EXACT]
     stopped = interrupted(tmp_path, args, "sigterm", after_step=5)
     checkpoints = stopped.exp_dir / "checkpoints"

@@ -665,7 +665,6 @@ class TrainState:
     window_steps: int = 0
 
 
-
 def epoch_order(num_rows, seed, epoch):
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 
@@ -1254,7 +1253,7 @@ def read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, checkpoint_
     format, the same model and the same fixed flags."""
     with open(os.path.join(checkpoint_dir, "state.json")) as f:
         state = json.load(f)
-    written_as, saved_shapes = state.pop("checkpoint_format"), state.pop("param_shapes")
+    written_as, saved_shapes = state.pop("checkpoint_format", "an older script's"), state.pop("param_shapes")
     if written_as != checkpoint_format:
         problem = (f"is {written_as}, this script's are {checkpoint_format}; resume it with the script that "
                    "wrote it")

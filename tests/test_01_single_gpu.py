@@ -369,6 +369,21 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_previous_one_resumes(
     assert (checkpoints / "step-00000005.damaged" / damaged_file).exists()
 
 
+def test_a_checkpoint_of_an_older_script_stops_with_one_line_and_stays(common_args, tmp_path):
+    """A state.json without the checkpoint format (written before the script recorded it) is no damaged file."""
+    args = [*common_args, *EXACT]
+    stopped = interrupted(tmp_path, args, "sigterm", after_step=5)
+    checkpoints = stopped.exp_dir / "checkpoints"
+    state_file = checkpoints / "step-00000005" / "state.json"
+    state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items()
+                                      if k != "checkpoint_format"}))
+    with measured() as cost:
+        run = run_chapter("01", args, tmp_path, experiment="interrupted", expect_ok=False)
+    assert_fails_with_one_line(run, "step-00000005 is an older script's, this script's are one file; resume it "
+                               "with the script that wrote it, or pass a new -e/--experiment-name", cost)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000004", "step-00000005"]
+
+
 def test_a_load_that_fails_for_a_reason_other_than_a_damaged_file_sets_nothing_aside(common_args, tmp_path):
     """A KeyError (a checkpoint.pt that holds something else, a bug in load_checkpoint) is no damaged file: the
     run stops with its traceback, and every checkpoint stays where it is."""

@@ -156,7 +156,7 @@ def main():
     show_progress = rank == 0 and sys.stderr.isatty()
     progress = tqdm(total=total_steps, initial=state.step, desc="training", disable=not show_progress)
     last_log_time, last_log_step = time.perf_counter(), state.step
-    profiler = start_profiler(exp_dir, state.step, total_steps, device) if args.profile else None
+    profiler = start_profiler(exp_dir, state.step, total_steps) if args.profile else None
     model.train()
 
     while state.step < total_steps:
@@ -458,11 +458,11 @@ def evaluate(model, val_data, args, device, dp_mesh):
 
 def get_parser():
     parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-m", "--model-name", type=hub_model_or_path, default=None,
+    parser.add_argument("-m", "--model-name", type=path_or_hub_id, default=None,
                         help="Hugging Face model id or local folder (default: a tiny Llama built offline)")
     parser.add_argument("--from-pretrained", action="store_true",
                         help="load the weights of -m (default: fresh weights from -m's config)")
-    parser.add_argument("-d", "--dataset-name", type=hub_dataset_or_path, default=None,
+    parser.add_argument("-d", "--dataset-name", type=path_or_hub_id, default=None,
                         help="Hugging Face dataset id, or a local file/folder of .txt/.json/.jsonl/.parquet/.csv "
                              "with a 'text' column (default: an offline synthetic corpus)")
     parser.add_argument("--dataset-subset", default=None, help="dataset configuration, e.g. wikitext-2-raw-v1")
@@ -652,12 +652,9 @@ def tiny_corpus(num_documents=4000, seed=1234):
     documents = []
     for _ in range(num_documents):
         giver, taker = rng.sample(names, 2)
-        thing = rng.choice(things)
-        had, given = rng.randint(1, 20), rng.randint(1, 20)
-        documents.append(
-            f"{taker} has {had} {thing}. {giver} gives {taker} {given} more {thing}. "
-            f"Now {taker} has {had + given} {thing}."
-        )
+        thing, had, given = rng.choice(things), rng.randint(1, 20), rng.randint(1, 20)
+        documents.append(f"{taker} has {had} {thing}. {giver} gives {taker} {given} more {thing}. "
+                         f"Now {taker} has {had + given} {thing}.")
     return documents
 
 
@@ -667,13 +664,13 @@ DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parqu
 def load_raw_dataset(name, subset):
     """A Hub dataset's train and validation splits, or a local .txt/.json/.jsonl/.parquet/.csv file or folder
     (a train split only, but for a folder's validation files)."""
-    if os.path.isfile(name):
-        check_data_file(name)
+    extension = os.path.splitext(name)[1]
+    if os.path.isfile(name) and extension not in DATA_FILE_BUILDERS:
+        sys.exit(f"error: cannot read {name!r}: use a {', '.join(DATA_FILE_BUILDERS)} file or a folder of them")
     with exit_on_error(f"cannot load dataset {name!r}", "pass a Hugging Face dataset id (and --dataset-subset if "
-                       "it has several), or a local file or folder"):
+                       "it has several), or a local file or folder of text"):
         if os.path.isfile(name):
-            builder = DATA_FILE_BUILDERS[os.path.splitext(name)[1]]
-            return [datasets.load_dataset(builder, data_files=name, split="train"), None]
+            return [datasets.load_dataset(DATA_FILE_BUILDERS[extension], data_files=name, split="train"), None]
         train = datasets.load_dataset(name, subset, split="train")
     try:
         return [train, datasets.load_dataset(name, subset, split="validation")]
@@ -754,16 +751,14 @@ def log_metrics(path, metrics, progress):
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):
-    """argparse, with a mistake as one line (no usage block): under torchrun each rank prints it once, and
-    report_exit puts it in torchrun's failure summary, where argparse's exit 2 leaves nothing."""
+    """argparse, with a mistake as one line (no usage block) that report_exit puts in torchrun's summary."""
 
     def error(self, message):
         sys.exit(f"error: {message} (--help lists the flags)")
 
 
 def check_args(args):
-    """What argparse cannot check alone: how the script was launched, flags that need each other, the torch
-    version."""
+    """What argparse cannot check alone: the launch, flags that need each other, the torch version."""
     if "LOCAL_RANK" not in os.environ:
         sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
     warn_if_torch_is_older_than_tested()
@@ -773,106 +768,51 @@ def check_args(args):
 
 
 def check_save_dir(save_dir, experiment_name):
-    """The experiment's folder must be writable, or creatable: tried with a file that has no name (O_TMPFILE,
-    gone when closed) in the folder, or in the nearest folder above it that exists, so that a run that fails
-    its checks leaves nothing behind (make_experiment_dir creates the folder after them)."""
+    """The experiment's folder, or the nearest above it that exists, must take a file (a nameless one, gone when
+    closed): a run that fails its checks leaves nothing behind (make_experiment_dir creates the folder)."""
     import tempfile
 
     existing = os.path.abspath(os.path.join(save_dir, experiment_name))
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
     try:
-        with tempfile.TemporaryFile(dir=existing):
-            pass
+        tempfile.TemporaryFile(dir=existing).close()
     except OSError as error:
         sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
 
 
 def positive_int(text):
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
+    return checked_number(text, int, lambda value: value >= 1, "a positive integer")
 
 
 def non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
+    return checked_number(text, int, lambda value: value >= 0, "zero or a positive integer")
 
 
 def fraction(text):
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a fraction from 0 to below 1")
-    return value
+    return checked_number(text, float, lambda value: 0 <= value < 1, "a fraction from 0 to below 1")
 
 
 def positive_float(text):
-    value = float(text)
-    if not value > 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return checked_number(text, float, lambda value: 0 < value < math.inf, "a positive number")
+
+
+def checked_number(text, convert, is_valid, what):
+    value = convert(text)
+    if not is_valid(value):  # (NaN is valid nowhere: every comparison with it is False)
+        raise argparse.ArgumentTypeError(f"{text} is not {what}")
     return value
 
 
-def hub_model_or_path(name):
-    return hub_id_or_path(name, "model")
-
-
-def hub_dataset_or_path(name):
-    return hub_id_or_path(name, "dataset")
-
-
-def hub_id_or_path(name, kind):
-    """A local path, or the id of a Hub model or dataset that can be fetched: a mistyped path must fail here,
-    not on the Hub after a minute of retries. A name that can only be a path (it starts with / . or ~, names
-    a data file, or has more folders than a Hub id's owner/name) must exist; any other missing folder is
-    asked for on the Hub, unless it is in the Hugging Face cache or the libraries are offline (they then fail
-    at once themselves)."""
-    import huggingface_hub
-    from huggingface_hub import constants
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
-
+def path_or_hub_id(name):
+    """-m and -d: a path that exists, or a Hub id for the libraries to look up. A name that can only be a path
+    (/ . or ~ first, a data file, more folders than owner/name) fails here, not after the Hub's retries."""
     path = os.path.expanduser(name)
     if os.path.exists(path):
         return path
     if name.startswith(("/", ".", "~")) or os.path.splitext(name)[1] in DATA_FILE_BUILDERS or name.count("/") > 1:
         raise argparse.ArgumentTypeError(f"no such file or folder: {name!r}")
-    if datasets.config.HF_HUB_OFFLINE or constants.HF_HUB_OFFLINE or in_hub_cache(name, kind):
-        return name
-    try:
-        huggingface_hub.HfApi().repo_info(name, repo_type=kind, timeout=5)
-    except GatedRepoError:  # it exists: the libraries say what access it needs
-        pass
-    # The Hub's answer for a name it does not have, and without a token for a private repository too.
-    except RepositoryNotFoundError:
-        private = "" if huggingface_hub.get_token() else " (if it is private, log in first: hf auth login)"
-        raise argparse.ArgumentTypeError(
-            f"no local folder {name!r}, and no {kind} {name!r} on the Hub{private}; pass the path of a folder "
-            f"that exists or the id of a Hub {kind}"
-        )
-    except HfHubHTTPError:  # any other answer: the libraries ask again and report it themselves
-        pass
-    except Exception:  # no answer at all: no network, a refused connection, nothing within 5 s
-        raise argparse.ArgumentTypeError(
-            f"no local folder {name!r}, and the Hub ({constants.ENDPOINT}) does not answer to "
-            f"look for a {kind} of that name; pass the path of a folder that exists, or connect to the Hub "
-            "(HF_HUB_OFFLINE=1 uses the cache)"
-        )
     return name
-
-
-def in_hub_cache(name, kind):
-    """Whether the Hugging Face cache holds the model or dataset (the libraries can then use it offline)."""
-    import huggingface_hub
-    from huggingface_hub.errors import CacheNotFound
-
-    try:
-        cached = huggingface_hub.scan_cache_dir().repos
-    except CacheNotFound:
-        return False
-    return any(repo.repo_id == name and repo.repo_type == kind for repo in cached)
 
 
 # The oldest and the newest torch release that CI trains every chapter on (.ci/run).
@@ -882,15 +822,12 @@ TESTED_TORCH = ("2.11", "2.15")
 def warn_if_torch_is_older_than_tested():
     # Rank 0 alone: under torchrun every rank would print the same line.
     if torch.__version__ < TESTED_TORCH[0] and os.environ.get("RANK", "0") == "0":
-        print(
-            f"warning: torch {torch.__version__} is older than the releases these scripts are tested on "
-            f"({TESTED_TORCH[0]} to {TESTED_TORCH[1]}); if a step fails, install torch {TESTED_TORCH[0]} or newer",
-            file=sys.stderr,
-        )
+        print(f"warning: torch {torch.__version__} is older than the releases these scripts are tested on "
+              f"({TESTED_TORCH[0]} to {TESTED_TORCH[1]}); if a step fails, install torch {TESTED_TORCH[0]} or "
+              "newer", file=sys.stderr)
 
 
 def make_experiment_dir(save_dir, experiment_name):
-    # (check_args has tried a write there: check_save_dir)
     exp_dir = os.path.join(save_dir, experiment_name)
     os.makedirs(exp_dir, exist_ok=True)
     return exp_dir
@@ -913,43 +850,25 @@ def exit_on_build_error(args):
 
 
 def one_line(error):
-    """The error's message as one line: some libraries spread it over several, with the cause on the last."""
-    return " ".join(str(error).split()) or type(error).__name__
+    """The error's message and its cause's (datasets gives the reason as the cause) in one line of at most 300
+    characters: some libraries spread a message over several."""
+    import textwrap
+
+    message = f"{error}: {error.__cause__}" if error.__cause__ else str(error)
+    return textwrap.shorten(message, 300) or type(error).__name__
 
 
 def check_model_fits_tokenizer(args, config, tokenizer):
     # NOTE: a token id past the embedding fails deep in the forward on CPU, and as a device-side assert on CUDA.
     vocab_size = getattr(config, "vocab_size", None)
     if vocab_size is not None and len(tokenizer) > vocab_size:
-        sys.exit(
-            f"error: the tokenizer of {args.model_name!r} has {len(tokenizer)} tokens, more than the model's "
-            f"{vocab_size} embeddings; pass a model whose tokenizer and config.json belong together"
-        )
+        sys.exit(f"error: the tokenizer of {args.model_name!r} has {len(tokenizer)} tokens, more than the model's "
+                 f"{vocab_size} embeddings; pass a model whose tokenizer and config.json belong together")
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and args.seq_length > max_positions:
-        sys.exit(
-            f"error: -s/--seq-length {args.seq_length} is longer than {args.model_name or 'the tiny model'}'s "
-            f"{max_positions} positions; pass -s {max_positions} or less"
-        )
-
-
-def check_data_file(path):
-    """Name what is wrong with a local data file before datasets gives a generic error about it."""
-    extension = os.path.splitext(path)[1]
-    if extension not in DATA_FILE_BUILDERS:
-        sys.exit(f"error: cannot read {path!r}: use a {', '.join(DATA_FILE_BUILDERS)} file or a folder of them")
-    if os.path.getsize(path) == 0:
-        sys.exit(f"error: {path!r} is empty")
-    if extension != ".parquet":
-        with open(path, "rb") as f:
-            head = f.read(1 << 16)
-        try:
-            # The last 3 bytes may be a multi-byte character cut in two by the read.
-            (head if len(head) < 1 << 16 else head[:-3]).decode("utf-8")
-        except UnicodeDecodeError:
-            sys.exit(f"error: {path!r} is not a text file (not UTF-8); pass a {extension} file of text")
-        if b"\0" in head:
-            sys.exit(f"error: {path!r} is not a text file (it holds NUL bytes); pass a {extension} file of text")
+        model = args.model_name or "the tiny model"
+        sys.exit(f"error: -s/--seq-length {args.seq_length} is longer than {model}'s {max_positions} positions; "
+                 f"pass -s {max_positions} or less")
 
 
 def check_text_column(raw, name):
@@ -967,11 +886,9 @@ def check_one_batch_fits(num_rows, global_batch_size, args):
     if num_rows < global_batch_size:
         parts = global_batch_size // args.batch_size
         split = f" ({parts} ranks and micro-batches of -b {args.batch_size})" if parts > 1 else ""
-        sys.exit(
-            f"error: the dataset gives {num_rows} training sequences of {args.seq_length + 1} tokens, fewer than "
-            f"one batch of {global_batch_size}{split}; use a smaller -b/--batch-size, --grad-accum-steps or "
-            "-s/--seq-length, or more data"
-        )
+        sys.exit(f"error: the dataset gives {num_rows} training sequences of {args.seq_length + 1} tokens, fewer "
+                 f"than one batch of {global_batch_size}{split}; use a smaller -b/--batch-size, "
+                 "--grad-accum-steps or -s/--seq-length, or more data")
 
 
 def fit_grad_accum_steps(args, data_parallel_size):
@@ -981,64 +898,52 @@ def fit_grad_accum_steps(args, data_parallel_size):
         return
     rows_per_micro_step = data_parallel_size * args.batch_size
     if args.global_batch_size % rows_per_micro_step:
-        sys.exit(
-            f"error: --global-batch-size {args.global_batch_size} is not a multiple of {data_parallel_size} "
-            f"data-parallel ranks x -b {args.batch_size} = {rows_per_micro_step}; pass a -b (or a number of "
-            "ranks) whose product divides it"
-        )
+        sys.exit(f"error: --global-batch-size {args.global_batch_size} is not a multiple of {data_parallel_size} "
+                 f"data-parallel ranks x -b {args.batch_size} = {rows_per_micro_step}; pass a -b (or a number of "
+                 "ranks) whose product divides it")
     args.grad_accum_steps = args.global_batch_size // rows_per_micro_step
 
 
 def warn_if_mostly_warmup(warmup_steps, total_steps):
     if warmup_steps > total_steps // 2 and os.environ.get("RANK", "0") == "0":
-        print(
-            f"warning: --warmup-steps {warmup_steps} covers most of the {total_steps} steps, so the learning rate "
-            f"hardly decays; pass --warmup-steps {max(1, total_steps // 20)} or train longer", file=sys.stderr
-        )
+        print(f"warning: --warmup-steps {warmup_steps} covers most of the {total_steps} steps, so the learning "
+              f"rate hardly decays; pass --warmup-steps {max(1, total_steps // 20)} or train longer",
+              file=sys.stderr)
 
 
 def exit_if_diverged(step, loss, grad_norm):
-    """A NaN or infinite loss or gradient norm makes the weights NaN from this step on: stop before a checkpoint
-    keeps them, and say so (a NaN loss in the log alone is easy to miss)."""
+    """A NaN or infinite loss or gradient norm makes the weights NaN from here on: stop before a checkpoint."""
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        sys.exit(
-            f"error: training diverged at step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g}) and no "
-            "checkpoint holds it; train again with a lower --lr under a new -e (this experiment resumes with its "
-            "own --lr and diverges again)"
-        )
+        sys.exit(f"error: training diverged at step {step} (loss {loss:.4g}, gradient norm {grad_norm:.4g}) and "
+                 "no checkpoint holds it; train again with a lower --lr under a new -e (this experiment resumes "
+                 "with its own --lr and diverges again)")
 
 
-# --- Signals: a scheduler's warning or Ctrl-C ends the run after a step, with a checkpoint ---
-
-
-def start_profiler(exp_dir, start_step, total_steps, device):
-    """--profile: torch.profiler records steps start_step + 3 and + 4 of this launch (one step to wait, one to
-    warm up) and writes one Chrome trace per rank to <experiment>/profile/ (open it in https://ui.perfetto.dev):
-    the CPU's operators with their input shapes, the GPU's kernels, and the collectives."""
-    rank = int(os.environ.get("RANK", "0"))
-    steps = f"steps {start_step + 3}-{start_step + 4}"
+def start_profiler(exp_dir, start_step, total_steps):
+    """--profile: steps start_step + 3 and + 4 of this launch (after one to wait, one to warm up) as one Chrome
+    trace per rank in <experiment>/profile/ (open it in https://ui.perfetto.dev): ops, kernels, collectives."""
+    rank, steps = int(os.environ.get("RANK", "0")), f"steps {start_step + 3}-{start_step + 4}"
     if start_step + 4 > total_steps:
         print(f"warning: --profile records {steps} of this launch, which ends at step {total_steps}: nothing "
               "is profiled; launch with 4 or more steps to go")
         return None
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
 
     def write_trace(profiler):
         # (called after the 4th step, or by stop() when a signal ended the launch before: then nothing is whole)
         if profiler.step_num < 4:
-            print(f"rank {rank}: the launch stopped before the end of {steps}: nothing profiled")
-            return
+            return print(f"rank {rank}: the launch stopped before the end of {steps}: nothing profiled")
         path = os.path.join(exp_dir, "profile", f"rank-{rank}.json")
         os.makedirs(os.path.dirname(path), exist_ok=True)
         profiler.export_chrome_trace(path)
         print(f"rank {rank}: {steps} profiled (their tokens_per_s includes the profiler's cost): {path}")
 
-    profiler = torch.profiler.profile(activities=activities, on_trace_ready=write_trace, record_shapes=True,
+    profiler = torch.profiler.profile(on_trace_ready=write_trace, record_shapes=True,
                                       schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1))
     profiler.start()
     return profiler
+
+
+# --- Signals: a scheduler's warning or Ctrl-C ends the run after a step, with a checkpoint ---
 
 
 def stop_on_signals():
@@ -1068,8 +973,7 @@ def request_stop(stop_signals, signum):
 @contextmanager
 def stop_all_ranks_if_one_fails():
     """Every rank must enter this (an all-gather as the block ends): if the block fails on one rank (an error
-    line, a full disk, any exception), every rank stops with that rank's line instead of waiting for it in the
-    next collective."""
+    line, a full disk, any exception), every rank stops with its line instead of waiting in the next collective."""
     failure, line = None, None
     try:
         yield
@@ -1103,14 +1007,9 @@ def rank_0_first():
 
 
 def load_newest_checkpoint(exp_dir, load, fresh_state):
-    """Every rank must call this (from chapter 02 on, collectives inside): the newest complete checkpoint's
-    folder and what load(folder) returns, for the newest that loads on every rank; (None, fresh_state) if there
-    is none.
-
-    A save writes into step-N.partial and renames it to step-N when done, so a run killed mid-save leaves a
-    .partial folder, which is ignored. A complete one can still fail to load (a file cut short by a full disk,
-    or by a crash before it reached the disk): it is renamed to step-N.damaged, never deleted, and the one
-    before is loaded (every load replaces all the state the failed one may have half filled)."""
+    """Every rank must call this (from chapter 02 on, collectives inside): (folder, load(folder)) for the newest
+    complete checkpoint that loads on every rank, else (None, fresh_state). One that fails to load (a file cut
+    short) is renamed step-N.damaged and the one before loads (replacing all the state the failed one touched)."""
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
     # Rank 0 lists the folder for all: every rank must try the same checkpoints, in the same order.
     names = [complete_checkpoints(checkpoints_dir)]
@@ -1129,19 +1028,18 @@ def load_newest_checkpoint(exp_dir, load, fresh_state):
             return checkpoint_dir, loaded
         with stop_all_ranks_if_one_fails():
             if dist.get_rank() == 0:
-                set_aside(checkpoint_dir, next(filter(None, failures)))
+                os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
+                print(f"warning: checkpoint {checkpoint_dir} fails to load ({next(filter(None, failures))}); set "
+                      f"it aside as {name}.damaged", file=sys.stderr)
     if names[0]:
-        sys.exit(
-            f"error: no checkpoint in {checkpoints_dir} loads (each is now *.damaged); move them away to start "
-            "fresh, or pass a new -e/--experiment-name"
-        )
+        sys.exit(f"error: no checkpoint in {checkpoints_dir} loads (each is now *.damaged); move them away to "
+                 "start fresh, or pass a new -e/--experiment-name")
     return None, fresh_state
 
 
 def damaged_file_error(error):
-    """What a load failed on, as a line of at most 200 characters, if a damaged file explains it: one missing,
-    or cut short (OSError, EOFError, json's ValueError, torch.load's RuntimeError); else None. DCP's
-    CheckpointException holds every rank's exception: the first rank's decides."""
+    """What a load failed on (at most 200 characters) if a damaged file explains it: one missing or cut short
+    (OSError, EOFError, json's ValueError, torch.load's RuntimeError); else None."""
     import textwrap
 
     failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
@@ -1153,12 +1051,6 @@ def damaged_file_error(error):
     return textwrap.shorten(f"{type(error).__name__}: {error}", 200).removesuffix(":")
 
 
-def set_aside(checkpoint_dir, failure):
-    os.rename(checkpoint_dir, checkpoint_dir + ".damaged")
-    print(f"warning: checkpoint {checkpoint_dir} fails to load ({failure}); set it aside as "
-          f"{os.path.basename(checkpoint_dir)}.damaged", file=sys.stderr)
-
-
 def complete_checkpoints(checkpoints_dir):
     """The names of the complete checkpoints (step-N, not step-N.partial or step-N.damaged), oldest first."""
     if not os.path.isdir(checkpoints_dir):
@@ -1168,20 +1060,18 @@ def complete_checkpoints(checkpoints_dir):
 
 @contextmanager
 def checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format):
-    """Every rank must enter this (from chapter 02 on, collectives inside): the folder the checkpoint of
-    state.step is written into, step-N.partial, renamed to step-N once the body has returned on every rank.
-    The rename is atomic: a run killed mid-save leaves the checkpoint before as the newest complete one."""
+    """Every rank must enter this (from chapter 02 on, collectives inside): the folder step-N.partial that the
+    block writes the checkpoint into, renamed to step-N (atomic) once the block has returned on every rank."""
     checkpoints_dir = os.path.join(exp_dir, "checkpoints")
     final_dir = os.path.join(checkpoints_dir, f"step-{state.step:08d}")
     partial_dir = final_dir + ".partial"
-    # Rank 0 makes the folder and renames it, and every rank waits for it (once a rank exits, after a stop,
-    # torchrun ends the whole job); a failure on any rank (a full disk) stops every rank with its line.
+    # Every rank waits for rank 0 (once one exits, torchrun ends the job); one rank's failure stops all.
     with stop_all_ranks_if_one_fails():
         if dist.get_rank() == 0:
             shutil.rmtree(partial_dir, ignore_errors=True)
             os.makedirs(partial_dir)
-            write_json(os.path.join(partial_dir, "state.json"),
-                       {**vars(state), "param_shapes": param_shapes, "checkpoint_format": checkpoint_format})
+            with open(os.path.join(partial_dir, "state.json"), "w") as f:
+                json.dump({**vars(state), "param_shapes": param_shapes, "checkpoint_format": checkpoint_format}, f)
     with stop_all_ranks_if_one_fails():
         yield partial_dir
     with stop_all_ranks_if_one_fails():
@@ -1191,16 +1081,10 @@ def checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format):
 
 
 def remove_old_checkpoints(checkpoints_dir, keep=2):
-    """Keep the newest `keep` complete checkpoints (the one before the newest is the fallback if the newest
-    turns out damaged) and any *.damaged folder for inspection; remove the rest and stale .partial folders."""
+    """Keep the newest `keep` complete checkpoints (the fallback if the newest is damaged) and *.damaged ones."""
     stale = [name for name in os.listdir(checkpoints_dir) if name.endswith(".partial")]
     for name in complete_checkpoints(checkpoints_dir)[:-keep] + stale:
         shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
-
-
-def write_json(path, value):
-    with open(path, "w") as f:
-        json.dump(value, f)
 
 
 def torch_save(obj, path):
@@ -1210,8 +1094,7 @@ def torch_save(obj, path):
 
 
 def read_checkpoint_state(checkpoint_dir, param_shapes, fixed_flags, checkpoint_format):
-    """The state.json of a checkpoint, after checking that this run can continue it: this script's checkpoint
-    format, the same model and the same fixed flags."""
+    """The state.json of a checkpoint, if this run can continue it (same format, model and fixed flags)."""
     with open(os.path.join(checkpoint_dir, "state.json")) as f:
         state = json.load(f)
     written_as, saved_shapes = state.pop("checkpoint_format", "an older script's"), state.pop("param_shapes")
@@ -1254,30 +1137,22 @@ def check_resume_step(step, total_steps, checkpoint_dir):
 # --- The exit: one line for every error we can name, and no teardown that can hang or crash ---
 
 
-def full_disk_error(error):
-    """The OSError of a full disk (or quota) behind error, or None. torch.save reports it as "unexpected pos"
-    with the OSError as its context; DCP collects every rank's exceptions into one CheckpointException."""
+def full_disk_message(error):
+    """The line that a full disk (or quota) behind error stops every rank with, else None: torch.save reports it
+    as "unexpected pos" with the OSError as its context, DCP in a CheckpointException of every rank's errors."""
     if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
-        return error
+        return (f"error: the disk is full ({one_line(error)}); free space under --save-dir or pass another, then "
+                "relaunch the same command (the last complete checkpoint is intact)")
     causes = [error.__cause__, error.__context__]
     failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
     if isinstance(failures, dict):
         causes += [failure[0] for failure in failures.values()]
-    return next(filter(None, (full_disk_error(cause) for cause in causes if cause is not None)), None)
-
-
-def full_disk_message(error):
-    """The one line that a full disk behind error stops every rank with, or None for any other error."""
-    full_disk = full_disk_error(error)
-    if full_disk is None:
-        return None
-    return (f"error: the disk is full ({one_line(full_disk)}); free space under --save-dir or pass another, then "
-            "relaunch the same command (the last complete checkpoint is intact)")
+    return next(filter(None, (full_disk_message(cause) for cause in causes if cause is not None)), None)
 
 
 def report_exit(stop):
-    """The exit code of sys.exit(code or "message"). A message is printed, as the interpreter does, and
-    written where torchrun's failure summary shows it (instead of "To enable traceback see ...")."""
+    """The exit code of sys.exit(code or "message"); a message is printed and written where torchrun's failure
+    summary shows it (instead of "To enable traceback see ...")."""
     if not isinstance(stop.code, str):
         return stop.code or 0
     # One write with its newline: the lines of several ranks on one terminal then cannot interleave.
@@ -1306,9 +1181,7 @@ if __name__ == "__main__":
     except BaseException as error:  # not only Exception: DCP raises a CheckpointException
         if full_disk_message(error) is None:
             traceback.print_exc()
-            exit_code = 1
-        else:
-            exit_code = report_exit(SystemExit(full_disk_message(error)))
+        exit_code = report_exit(SystemExit(full_disk_message(error) or 1))
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)

@@ -192,8 +192,10 @@ BAD_INPUTS = {
     "negative-lr": (["--lr", -1], "error: argument --lr: -1 is not a positive number"),
     "mistyped-data-file": (["-d", "nosuch.txt"], "argument -d/--dataset-name: no such file or folder: 'nosuch.txt'"),
     "mistyped-model-folder": (["-m", "./nosuch"], "argument -m/--model-name: no such file or folder: './nosuch'"),
-    "empty-data-file": (lambda tmp: ["-d", write(tmp / "empty.txt", b"")], "is empty"),
-    "binary-data-file": (lambda tmp: ["-d", write(tmp / "data.jsonl", bytes(range(256)))], "is not a text file"),
+    # datasets' reason, with its cause (what failed to parse), in the line that names the file
+    "empty-data-file": (lambda tmp: ["-d", write(tmp / "empty.txt", b"")], "empty.txt' (An error occurred while"),
+    "binary-data-file": (lambda tmp: ["-d", write(tmp / "data.txt", bytes(range(128, 256)))],
+                         "data.txt' (An error occurred while generating the dataset: 'utf-8' codec can't decode"),
     "no-text-in-any-row": (lambda tmp: ["-d", write(tmp / "data.jsonl", b'{"text": ""}\n' * 50)],
                            "has no text: its 'text' column is empty in all rows"),
     # ByT5's 259 tokens into 200 embeddings: a tokenizer that does not belong to the model

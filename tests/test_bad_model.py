@@ -170,7 +170,8 @@ def test_a_full_disk_stops_with_one_line_and_a_relaunch_resumes(chapter, common_
     pattern = (r"error: the disk is full \(\[Errno 28\] No space left on device[^\n]*\); free space under "
                r"--save-dir or pass another, then relaunch the same command \(the last complete checkpoint is "
                r"intact\)")
-    # 02's rank 0 writes alone, and its failure reaches the other rank (run_on_rank_0); 04's ranks all write
+    # 02's rank 0 writes alone, and its failure reaches the other rank (stop_all_ranks_if_one_fails); 04's
+    # ranks all write
     assert_every_rank_prints_one_line(run, pattern, nproc=nproc or 1)
     checkpoints = small_disk / "test" / "checkpoints"
     assert "step-00000002" in os.listdir(checkpoints)

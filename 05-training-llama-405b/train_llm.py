@@ -284,7 +284,8 @@ def build_model(args, config, device, mesh, compute_dtype):
         # (checkpoints, export) and FSDP's hooks stay outside: backward recomputes with the gathered weights.
         for block in transformer_blocks(model):
             block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
-    shard_model(model, mesh, compute_dtype, args.cpu_offload, device, args.explicit_prefetch)
+    shard_model(model, mesh, compute_dtype, args.cpu_offload, args.reshard_after_forward, device,
+                args.explicit_prefetch)
     # to_empty gives each rank uninitialised storage for its shards and buffers (in CPU memory with --cpu-offload).
     model.to_empty(device="cpu" if args.cpu_offload else device)
     initialize_weights(model, mesh, args.seed)
@@ -299,7 +300,7 @@ def build_model(args, config, device, mesh, compute_dtype):
     return model
 
 
-def shard_model(model, mesh, compute_dtype, cpu_offload, device, explicit_prefetch):
+def shard_model(model, mesh, compute_dtype, cpu_offload, reshard_after_forward, device, explicit_prefetch):
     """fully_shard each transformer block, the embedding and the output head, then the root: one group per call,
     all-gathered just before it runs, freed just after, its gradients reduce-scattered as soon as complete."""
     # The fp32 shards are the master weights. param_dtype=bf16 casts them before the all-gather (half the bytes
@@ -311,8 +312,14 @@ def shard_model(model, mesh, compute_dtype, cpu_offload, device, explicit_prefet
         offload_policy=CPUOffloadPolicy(pin_memory=device.type == "cuda") if cpu_offload else OffloadPolicy(),
     )
     blocks = transformer_blocks(model)
-    for block in blocks:
-        fully_shard(block, **fsdp_options)
+    # --reshard-after-forward true frees a block's gathered weights after its forward and gathers them again for
+    # its backward (ZeRO-3); false keeps them from forward to backward: one all-gather a step instead of two,
+    # for a whole model's weights held at the turn (ZeRO-2's traffic); N keeps them sharded over N ranks (a node).
+    with exit_on_error(f"cannot reshard to {reshard_after_forward} ranks after forward",
+                       "pass --reshard-after-forward true, false, or a divisor of the ranks that shard a weight",
+                       ValueError):
+        for block in blocks:
+            fully_shard(block, **fsdp_options, reshard_after_forward=reshard_after_forward)
     if explicit_prefetch:
         # FSDP2 by default issues block i+1's all-gather only when block i+1 starts (forward), or when its
         # gradients are needed (backward). Naming the next block here starts it while block i computes, so the
@@ -324,7 +331,7 @@ def shard_model(model, mesh, compute_dtype, cpu_offload, device, explicit_prefet
     # use, not held all step by the root. Backward needs the head again at once: it stays gathered after forward.
     # A tied pair is one weight, which must stay in one group: the root's.
     if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
-        fully_shard(model.get_input_embeddings(), **fsdp_options)
+        fully_shard(model.get_input_embeddings(), **fsdp_options, reshard_after_forward=reshard_after_forward)
         fully_shard(model.get_output_embeddings(), **fsdp_options, reshard_after_forward=False)
     # The root's group takes every weight no other group holds: the final norm, and a tied embedding.
     fully_shard(model, **fsdp_options)
@@ -516,6 +523,9 @@ def get_parser():
                         help="how long a collective waits for the slowest rank (the load) before failing")
     parser.add_argument("--replicate-degree", type=positive_int, default=1,
                         help="HSDP: shard within groups of WORLD_SIZE/R ranks (a node, say), replicate across R")
+    parser.add_argument("--reshard-after-forward", type=true_false_or_int, default=True,
+                        help="true: free gathered weights after forward (ZeRO-3); false: keep them for backward; "
+                             "N: keep them sharded over N ranks")
     parser.add_argument("-e", "--experiment-name", default="default",
                         help="name of the run; relaunching the same name resumes it")
     parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")
@@ -530,6 +540,11 @@ def get_parser():
     parser.add_argument("--profile", action="store_true",
                         help="record steps 3-4 with torch.profiler: <experiment>/profile/rank-N.json")
     return parser
+
+
+def true_false_or_int(text):
+    choices = {"true": True, "false": False}
+    return choices[text.lower()] if text.lower() in choices else int(text)
 
 
 def load_config_and_tokenizer(args):

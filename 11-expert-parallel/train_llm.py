@@ -520,7 +520,7 @@ def build_model(args, config, device, mesh, expert_mesh, compute_dtype):
         model = transformers.AutoModelForCausalLM.from_config(
             config, dtype=torch.float32, attn_implementation=args.attn_implementation
         )
-    shard_model(model, mesh, expert_mesh, compute_dtype, args.cpu_offload, device)
+    shard_model(model, mesh, expert_mesh, compute_dtype, args.cpu_offload, args.reshard_after_forward, device)
     # to_empty gives each rank uninitialised storage for its shards and buffers (in CPU memory with --cpu-offload).
     model.to_empty(device="cpu" if args.cpu_offload else device)
     initialize_weights(model, mesh, args.seed)
@@ -536,7 +536,7 @@ def build_model(args, config, device, mesh, expert_mesh, compute_dtype):
     return model
 
 
-def shard_model(model, mesh, expert_mesh, compute_dtype, cpu_offload, device):
+def shard_model(model, mesh, expert_mesh, compute_dtype, cpu_offload, reshard_after_forward, device):
     """fully_shard each transformer block, the embedding and the output head, then the root: one group per call,
     all-gathered just before it runs, freed just after, its gradients reduce-scattered as soon as complete."""
     # The fp32 shards are the master weights. param_dtype=bf16 casts them before the all-gather (half the bytes
@@ -550,13 +550,19 @@ def shard_model(model, mesh, expert_mesh, compute_dtype, cpu_offload, device):
     # The experts first: each block's group then takes the weights no expert group holds.
     for experts in expert_modules(model):
         shard_experts(experts, expert_mesh, fsdp_options)
-    for block in transformer_blocks(model):
-        fully_shard(block, **fsdp_options)
+    # --reshard-after-forward true frees a block's gathered weights after its forward and gathers them again for
+    # its backward (ZeRO-3); false keeps them from forward to backward: one all-gather a step instead of two,
+    # for a whole model's weights held at the turn (ZeRO-2's traffic); N keeps them sharded over N ranks (a node).
+    with exit_on_error(f"cannot reshard to {reshard_after_forward} ranks after forward",
+                       "pass --reshard-after-forward true, false, or a divisor of the ranks that shard a weight",
+                       ValueError):
+        for block in transformer_blocks(model):
+            fully_shard(block, **fsdp_options, reshard_after_forward=reshard_after_forward)
     # The embedding and the head (0.5B parameters apiece in Llama 3 8B) as groups of their own are freed after
     # use, not held all step by the root. Backward needs the head again at once: it stays gathered after forward.
     # A tied pair is one weight, which must stay in one group: the root's.
     if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
-        fully_shard(model.get_input_embeddings(), **fsdp_options)
+        fully_shard(model.get_input_embeddings(), **fsdp_options, reshard_after_forward=reshard_after_forward)
         fully_shard(model.get_output_embeddings(), **fsdp_options, reshard_after_forward=False)
     # The root's group takes every weight no other group holds: the final norm, and a tied embedding.
     fully_shard(model, **fsdp_options)
@@ -716,6 +722,9 @@ def get_parser():
                         help="keep the sharded weights, gradients and optimizer state in CPU memory")
     parser.add_argument("--replicate-degree", type=positive_int, default=1,
                         help="HSDP: shard within groups of WORLD_SIZE/R ranks (a node, say), replicate across R")
+    parser.add_argument("--reshard-after-forward", type=true_false_or_int, default=True,
+                        help="true: free gathered weights after forward (ZeRO-3); false: keep them for backward; "
+                             "N: keep them sharded over N ranks")
     parser.add_argument("--ep", type=positive_int, default=1,
                         help="expert parallelism: split each MoE layer's experts over this many ranks")
     parser.add_argument("--aux-loss-coef", type=float, default=None,
@@ -735,6 +744,11 @@ def get_parser():
     parser.add_argument("--profile", action="store_true",
                         help="record steps 3-4 with torch.profiler: <experiment>/profile/rank-N.json")
     return parser
+
+
+def true_false_or_int(text):
+    choices = {"true": True, "false": False}
+    return choices[text.lower()] if text.lower() in choices else int(text)
 
 
 def load_config_and_tokenizer(args):

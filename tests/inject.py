@@ -36,6 +36,8 @@ INJECT=expert-bytes  at exit, print "rank r: expert_bytes {json}": the bytes of 
 INJECT=all-to-all-bytes  at exit, print "rank r: all_to_all_bytes {json}": the bytes this rank sent to other
                       ranks through all_to_all_single (rows times row bytes), by optimizer step (1 = the first);
                       a validation pass under "validation after k"
+INJECT=all-gathers    at exit, print "rank r: all_gathers {json}": the all-gathers of tensors that torch runs for
+                      this rank (FSDP's weights), by optimizer step (1 = the first): [group size, bytes] each
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -247,6 +249,23 @@ elif what == "rows":
 
     torch.nn.modules.module.register_module_forward_pre_hook(record_rows)
     report_at_exit(lambda: f"rows {json.dumps(seen)}")
+elif what == "all-gathers":
+    gathers_by_step = {}
+
+    def counted_all_gather(real):
+        def all_gather(output_tensor, input_tensor, group=None, *args, **kwargs):
+            gathers_by_step.setdefault(steps_done + 1, []).append(
+                [dist.get_world_size(group), output_tensor.numel() * output_tensor.element_size()])
+            return real(output_tensor, input_tensor, group, *args, **kwargs)
+
+        return all_gather
+
+    # FSDP calls the one its torch release has through the module (all_gather_single from 2.12 on)
+    for name in ("all_gather_single", "all_gather_into_tensor"):
+        if hasattr(dist, name):
+            setattr(dist, name, counted_all_gather(getattr(dist, name)))
+    register_optimizer_step_post_hook(count_steps)
+    report_at_exit(lambda: f"all_gathers {json.dumps(gathers_by_step)}")
 elif what == "slow-p2p":
     real_batch_isend_irecv = dist.batch_isend_irecv
 

@@ -70,6 +70,51 @@ def test_cpu_offload_and_hsdp_match_single_process(launch, single_process, nproc
     assert_same_training(launch("04", nproc, flags), single_process)
 
 
+# --reshard-after-forward: false keeps each block's gathered weights from its forward to its backward (ZeRO-2's
+# all-gathers); 2 of 4 ranks keeps them sharded over pairs, and the backward gathers within a pair.
+KEEP_GATHERED = ["--reshard-after-forward", "false"]
+RESHARD_TO_PAIRS = ["--reshard-after-forward", 2]
+
+
+@pytest.mark.parametrize("nproc,flags", [(2, KEEP_GATHERED), (4, RESHARD_TO_PAIRS)], ids=["false", "2-of-4"])
+def test_reshard_after_forward_false_or_to_a_smaller_group_matches_single_process(launch, single_process, nproc,
+                                                                                  flags):
+    assert_same_training(launch("04", nproc, flags), single_process)
+
+
+def first_step_all_gathers(launch_once, common_args, nproc, flags=()):
+    """[group size, bytes] of each all-gather of rank 0's first step (tests/inject.py's all-gathers probe)."""
+    run = launch_once("04", [*common_args, "--max-steps", 1, *on(nproc), "--val-fraction", 0, *flags],
+                      nproc=nproc, script=INJECT, env=inject_env("04", "all-gathers"))
+    return json.loads(re.search(r"^rank 0: all_gathers (.*)$", run.stdout, re.MULTILINE).group(1))["1"]
+
+
+def test_keeping_gathered_weights_for_backward_gathers_each_weight_once_a_step_instead_of_twice(
+        launch_once, common_args, tiny_model):
+    config = transformers.AutoConfig.from_pretrained(tiny_model)
+    assert not config.tie_word_embeddings
+    layers = config.num_hidden_layers
+    kept = first_step_all_gathers(launch_once, common_args, 2, KEEP_GATHERED)
+    resharded = first_step_all_gathers(launch_once, common_args, 2)
+    in_pairs = first_step_all_gathers(launch_once, common_args, 4, RESHARD_TO_PAIRS)
+    # The forward gathers every group once (the root's, the embedding, each block, the head) ...
+    assert len(kept) == layers + 3
+    # ... and with resharding the backward gathers each block and the embedding again (the head stays gathered)
+    assert resharded[: layers + 3] == kept and len(resharded) == len(kept) + layers + 1
+    assert sorted(resharded[layers + 3 :]) == sorted(resharded[1 : layers + 2])
+    # Resharded to pairs of 4 ranks: the forward gathers over all 4, the backward within a pair only
+    assert [size for size, _ in in_pairs] == [4] * (layers + 3) + [2] * (layers + 1)
+
+
+def test_a_reshard_size_that_does_not_divide_the_ranks_fails_with_fsdps_reason_in_one_line(common_args, tmp_path):
+    run = run_chapter("04", [*common_args, "--max-steps", 1, *on(2), "--reshard-after-forward", 3], tmp_path,
+                      nproc=2, expect_ok=False)
+    lines = re.findall(r"^error: .*$", run.worker_stderr, re.MULTILINE)
+    assert len(lines) == 2 and lines[0] == lines[1], run.stderr[-3000:]
+    assert lines[0].startswith("error: cannot reshard to 3 ranks after forward (") and lines[0].endswith(
+        "); pass --reshard-after-forward true, false, or a divisor of the ranks that shard a weight"), lines[0]
+
+
 def test_k_micro_batches_each_reduce_scattered_train_as_one_batch(launch, single_process):
     """2 ranks x -b 1 x 4 micro-batches: chapter 01's global batch of 8. FSDP reduce-scatters every
     micro-batch's gradients (the shards add them up), as the README measures against waiting for the last."""

@@ -21,7 +21,7 @@ CHAPTER_DIFFS = {
     # stops every rank (the band's multi-process lines, about 75 of these). Each chapter's micro-batch
     # loop and validation loss are its technique's own: how the rows are split, what averages the gradients.
     ("01", "02"): (205, {"main", "save_checkpoint", "evaluate"}),
-    ("02", "04"): (235, {"main", "build_model", "save_checkpoint", "load_checkpoint", "export_hf", "get_parser",
+    ("02", "04"): (248, {"main", "build_model", "save_checkpoint", "load_checkpoint", "export_hf", "get_parser",
                          "evaluate"}),
     ("04", "05"): (105, {"main", "get_parser", "build_model", "shard_model", "load_pretrained_weights"}),
     # Tensor parallelism replaces DDP and takes chapter 04's DCP checkpoints and export (BORROWED below).

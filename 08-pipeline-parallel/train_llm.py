@@ -36,7 +36,10 @@ import torch.nn.functional as F
 import transformers
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (
+    PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe, ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble,
+)
 from tqdm import tqdm
 
 
@@ -67,7 +70,7 @@ def main():
     torch.manual_seed(args.seed)
 
     config, tokenizer = load_config_and_tokenizer(args)
-    stages_per_rank = args.stages_per_rank or (2 if args.schedule == "interleaved-1f1b" else 1)
+    stages_per_rank = args.stages_per_rank or (2 if args.schedule in SEVERAL_STAGES_PER_RANK else 1)
     num_stages = world_size * stages_per_rank
     check_pipeline_fits(args, config, world_size, stages_per_rank)
     # Every rank builds (or loads) the whole model from the same seed, exactly as chapter 01 does, then keeps
@@ -78,16 +81,16 @@ def main():
     num_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
         print(f"model: {num_params / 1e6:.1f}M parameters, compute in {compute_dtype}")
-    # Rank r runs stages r, r + world_size, ...: one stage each, or with the interleaved schedule several stages
-    # spread along the pipeline, so a micro-batch passes every rank once per round.
-    stage_indices = list(range(rank, num_stages, world_size))
+    stage_ranks = stage_placement(num_stages, world_size, args.schedule)
+    stage_indices = [index for index, stage_rank in enumerate(stage_ranks) if stage_rank == rank]
     stages = [pipeline_stage(model, index, num_stages) for index in stage_indices]
-    has_first_stage, has_last_stage = stage_indices[0] == 0, stage_indices[-1] == num_stages - 1
+    has_first_stage, has_last_stage = 0 in stage_indices, num_stages - 1 in stage_indices
     # NOTE: a tied embedding and head (Llama 3.2 1B, Qwen3 0.6B) are one matrix, but the first and the last stage
     # each hold a copy of it. Summing the two copies' gradients every step keeps them equal (Megatron does this).
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight and world_size > 1
-    tie_group, _ = dist.new_subgroups_by_enumeration([[0, world_size - 1]]) if tied else (None, None)
-    tied_copy = tied_weight_copy(stages, has_first_stage, has_last_stage) if tie_group is not None else None
+    tie_ranks = sorted({stage_ranks[0], stage_ranks[-1]})  # (one rank in a V: rank 0 holds both copies)
+    tie_group, _ = dist.new_subgroups_by_enumeration([tie_ranks]) if tied and len(tie_ranks) == 2 else (None, None)
+    tied_copies = tied_weight_copies(stages, has_first_stage, has_last_stage) if tied else []
     del model
     stage_params = sum(p.numel() for stage in stages for p in stage.parameters())
     print(f"rank {rank}: stages {stage_indices}, {stage_params / 1e6:.1f}M parameters")
@@ -156,11 +159,10 @@ def main():
         logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum"
     ) / loss_divisor[0]
     num_microbatches = args.num_microbatches * args.grad_accum_steps
-    if args.schedule == "interleaved-1f1b":
-        schedule = ScheduleInterleaved1F1B(pipeline_stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
-    else:
-        schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
-        schedule = schedule_class(pipeline_stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    schedule = SCHEDULES[args.schedule](
+        pipeline_stages if args.schedule in SEVERAL_STAGES_PER_RANK else pipeline_stages[0], num_microbatches,
+        loss_fn=loss_fn, scale_grads=False,
+    )
     wandb_run = start_wandb(args, exp_dir) if args.wandb and rank == 0 else None
 
     autocast = nullcontext() if compute_dtype == torch.float32 else torch.autocast(device.type, compute_dtype)
@@ -204,10 +206,14 @@ def main():
                 losses=micro_batch_losses, return_outputs=False,
             )
         loss = torch.stack(micro_batch_losses).sum() if has_last_stage else torch.zeros((), device=device)
-        if tied_copy is not None:
-            dist.all_reduce(tied_copy.grad, group=tie_group)
+        if tied_copies:
+            tied_grad = sum(weight.grad for weight in tied_copies)
+            if tie_group is not None:
+                dist.all_reduce(tied_grad, group=tie_group)
+            for weight in tied_copies:
+                weight.grad.copy_(tied_grad)
         grad_norm = clip_grad_norm_over_stages(
-            stages, args.max_grad_norm, skip=tied_copy if has_last_stage else None
+            stages, args.max_grad_norm, skip=tied_copies[-1] if tied_copies and has_last_stage else None
         )
         optimizer.step()
         # Read before the schedule advances, so the logged lr is the one this step used.
@@ -274,7 +280,7 @@ def main():
         wandb_run.finish()
     # NOTE: free the stages before the process group: freed later, their gloo state is destroyed while a
     # communication thread waits for the GIL, and the process hangs. --compile keeps a cycle only gc frees.
-    del schedule, pipeline_stages, stages, tied_copy
+    del schedule, pipeline_stages, stages, tied_copies
     gc.collect()
     dist.destroy_process_group()
     if state.step < total_steps:
@@ -355,11 +361,17 @@ class PassThroughLayer(torch.nn.Module):
         return hidden_states
 
 
-def tied_weight_copy(stages, has_first_stage, has_last_stage):
-    """This rank's copy of a tied embedding/head matrix (the first stage's embedding, the last stage's head)."""
-    if has_first_stage:
-        return stages[0].get_input_embeddings().weight
-    return stages[-1].get_output_embeddings().weight if has_last_stage else None
+def tied_weight_copies(stages, has_first_stage, has_last_stage):
+    """This rank's copies of a tied embedding/head matrix: the first stage's embedding, the last stage's head.
+    Rank 0 of a V holds both stages: the head then gets a copy of its own, so that every layout has the same two
+    weights, each with its AdamW state, and a checkpoint of one layout loads into any other."""
+    copies = [stages[0].get_input_embeddings().weight] if has_first_stage else []
+    if has_last_stage:
+        head = stages[-1].get_output_embeddings()
+        if has_first_stage:
+            head.weight = torch.nn.Parameter(head.weight.detach().clone())
+        copies.append(head.weight)
+    return copies
 
 
 def clip_grad_norm_over_stages(stages, max_norm, skip=None):
@@ -374,15 +386,42 @@ def clip_grad_norm_over_stages(stages, max_norm, skip=None):
     return total_norm
 
 
+# The schedules torch offers. The zero-bubble ones (-zb, zbv, dualpipev) split each backward in two: the gradient
+# of the stage's input, which the stage before waits for, at once, and of its weights later, into the bubble.
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
+             "interleaved-zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble,
+             "dualpipev": ScheduleDualPipeV}
+SEVERAL_STAGES_PER_RANK = {"interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
+V_SHAPED = {"zbv", "dualpipev"}
+
+
+def stage_placement(num_stages, pp_size, schedule):
+    """The rank that runs each stage. In a loop rank r runs stages r, r + P, ...: one each, or several spread
+    along the pipeline, so a micro-batch passes every rank once a round. In a V (zbv, dualpipev) rank r runs
+    stages r and 2P-1-r: a micro-batch goes down the ranks and back up, and rank 0 has the first and the last."""
+    if schedule in V_SHAPED:
+        return [min(index, num_stages - 1 - index) for index in range(num_stages)]
+    return [index % pp_size for index in range(num_stages)]
+
+
 def check_pipeline_fits(args, config, pp_size, stages_per_rank):
     """Exit with one line if the layers, the batch or the schedule cannot be split as asked."""
     num_stages = pp_size * stages_per_rank
     problem = None
-    if (stages_per_rank > 1) != (args.schedule == "interleaved-1f1b"):
+    if (stages_per_rank > 1) != (args.schedule in SEVERAL_STAGES_PER_RANK):
         problem = (f"--schedule {args.schedule} runs {'one stage' if stages_per_rank > 1 else 'several stages'} "
-                   "per rank; use --stages-per-rank 2+ only with --schedule interleaved-1f1b")
-    elif args.schedule == "interleaved-1f1b" and pp_size < 2:
-        problem = "--schedule interleaved-1f1b needs 2+ pipeline ranks; use 1f1b on one"
+                   f"per rank; use --stages-per-rank 2+ only with --schedule "
+                   f"{', '.join(sorted(SEVERAL_STAGES_PER_RANK))}")
+    elif args.schedule in V_SHAPED and stages_per_rank != 2:
+        # NOTE: torch sends between the stages of these schedules as in a V whatever the stages hold: stages
+        # placed otherwise hang or fail far from the cause (diagnosing-errors: a V schedule on a loop).
+        problem = (f"--schedule {args.schedule} runs two stages per rank in a V (rank r: stages r and 2P-1-r); "
+                   "pass --stages-per-rank 2 or leave it out")
+    elif args.schedule in SEVERAL_STAGES_PER_RANK and pp_size < 2:
+        problem = f"--schedule {args.schedule} needs 2+ pipeline ranks; use 1f1b on one"
+    elif args.compile and args.schedule in ("interleaved-zb", "zbv", "dualpipev"):
+        problem = (f"--schedule {args.schedule} splits each backward in two, which torch does not do for compiled "
+                   "stages; drop --compile or use gpipe, 1f1b or interleaved-1f1b")
     elif config.num_hidden_layers < num_stages:
         problem = (f"{config.num_hidden_layers} layers cannot fill {num_stages} stages ({pp_size} pipeline ranks "
                    f"x {stages_per_rank} stages per rank), each stage needs a layer; use fewer pipeline ranks or "
@@ -393,9 +432,12 @@ def check_pipeline_fits(args, config, pp_size, stages_per_rank):
     elif args.num_microbatches < pp_size:
         problem = (f"--num-microbatches {args.num_microbatches} is fewer than the {pp_size} pipeline ranks, so "
                    f"some would never run; pass at least {pp_size} (and a -b it divides)")
-    elif args.schedule == "interleaved-1f1b" and args.num_microbatches % pp_size:
-        problem = (f"--schedule interleaved-1f1b sends micro-batches round the ranks in groups of {pp_size}; "
+    elif args.schedule in ("interleaved-1f1b", "interleaved-zb") and args.num_microbatches % pp_size:
+        problem = (f"--schedule {args.schedule} sends micro-batches round the ranks in groups of {pp_size}; "
                    f"pass a --num-microbatches that is a multiple of {pp_size}")
+    elif args.schedule == "dualpipev" and args.num_microbatches < num_stages:
+        problem = (f"--schedule dualpipev feeds micro-batches from both ends of the {num_stages} stages; pass "
+                   f"--num-microbatches {num_stages} or more (and a -b it divides)")
     if problem:
         sys.exit(f"error: {problem}")
 
@@ -477,16 +519,22 @@ def evaluate(schedule, stages, loss_divisor, val_data, args, device, autocast, h
     loss_divisor[0] = 1  # each micro-batch's summed token losses, not a share of a step's mean
     rows_per_call = args.batch_size * args.grad_accum_steps
     loss_sum = torch.zeros((), device=device)
+    # NOTE: torch's forward-only eval() of a V schedule runs its backward steps too and fails (torch 2.13:
+    # "can't steal_bwd_input"), so a V schedule runs whole steps here, and their gradients are dropped.
+    forward_only = args.schedule not in V_SHAPED
     for start in range(0, len(val_data), rows_per_call):
         input_ids, labels = inputs_and_labels(val_data[start : start + rows_per_call], device)
         losses = []
-        with autocast:
-            schedule.eval(*([input_ids] if has_first_stage else []), target=labels if has_last_stage else None,
-                          losses=losses, return_outputs=False)
+        with autocast, nullcontext() if forward_only else torch.enable_grad():
+            (schedule.eval if forward_only else schedule.step)(
+                *([input_ids] if has_first_stage else []), target=labels if has_last_stage else None,
+                losses=losses, return_outputs=False,
+            )
         if has_last_stage:
             loss_sum += torch.stack(losses).sum()
     dist.all_reduce(loss_sum)
     for stage in stages:
+        stage.zero_grad()  # (a V schedule's)
         stage.train()
     return loss_sum.item() / count_label_tokens(val_data[:])
 
@@ -534,12 +582,12 @@ def get_parser():
     parser.add_argument("--wandb", action="store_true", help="log to Weights & Biases")
     parser.add_argument("--profile", action="store_true",
                         help="record steps 3-4 with torch.profiler: <experiment>/profile/rank-N.json")
-    parser.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved-1f1b"], default="1f1b",
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
                         help="the order of micro-batch forwards and backwards on each stage")
     parser.add_argument("--num-microbatches", type=positive_int, default=4,
                         help="micro-batches each batch is split into (must divide -b)")
     parser.add_argument("--stages-per-rank", type=positive_int, default=None,
-                        help="stages each rank runs (default: 2 with interleaved-1f1b, else 1)")
+                        help="stages each rank runs (default: 2 with the interleaved and V schedules, else 1)")
     return parser
 
 

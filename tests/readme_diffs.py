@@ -7,10 +7,12 @@ one top-level function (or class) of them and which hunks of its diff to show, f
     <!-- diff 02-distributed-data-parallel/train_llm.py 04-fully-sharded-data-parallel/train_llm.py shard_model -->
     <!-- diff 02-distributed-data-parallel/train_llm.py 04-fully-sharded-data-parallel/train_llm.py main 2-3 -->
     <!-- diff 01-single-gpu/train_llm.py 02-distributed-data-parallel/train_llm.py main "no_sync" -->
+    <!-- diff 02-distributed-data-parallel/train_llm.py 08-pipeline-parallel/train_llm.py SCHEDULES -->
 
 The first shows the whole diff, the second the diff of shard_model alone (all `+` lines: it is new in 04),
 the third hunks 2 and 3 of the diff of main, the fourth the one hunk of main's diff whose changed lines hold
-that text (it stays the same hunk when others come or go). Hunks are unified-diff hunks with 3 lines of
+that text (it stays the same hunk when others come or go), the fifth a top-level assignment (without the
+comment above it). Hunks are unified-diff hunks with 3 lines of
 context.
 
 `python tests/readme_diffs.py [README ...]` rewrites every such block from the files; tests/test_readme_diffs.py fails
@@ -29,12 +31,15 @@ MARKER = re.compile(
 
 
 def top_level(path, name):
-    """The lines of a top-level function or class (with its decorators), [] if the file has none by that name."""
+    """The lines of a top-level function or class (with its decorators) or of an assignment to that name, []
+    if the file has none by that name."""
     text = (ROOT / path).read_text()
     lines = text.splitlines(keepends=True)
     for node in ast.parse(text).body:
-        if getattr(node, "name", None) == name:
-            start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
+        targets = [target.id for target in getattr(node, "targets", []) if isinstance(target, ast.Name)]
+        if name in (getattr(node, "name", None), *targets):
+            decorators = getattr(node, "decorator_list", [])
+            start = (decorators[0].lineno if decorators else node.lineno) - 1
             return lines[start : node.end_lineno]
     return []
 

@@ -1,8 +1,9 @@
 """Chapter 08: a pipeline of stages over the ranks trains the same model to the same numbers as chapter 01 on
-one process at the same batch, under each schedule (GPipe, 1F1B, interleaved 1F1B), for a Llama, for a Qwen3
-whose embedding is tied to its head (the first and the last stage each hold a copy) and for a Granite (which
-scales outside its layers); a run stopped by SIGTERM resumes to the uninterrupted losses, on the same and on
-another split into stages; a layout that cannot work fails with one line.
+one process at the same batch, under each schedule torch offers (GPipe, 1F1B, interleaved 1F1B, interleaved
+zero bubble, ZBV, DualPipeV), for a Llama, for a Qwen3 whose embedding is tied to its head (the first and the
+last stage each hold a copy) and for a Granite (which scales outside its layers); a run stopped by SIGTERM
+resumes to the uninterrupted losses, on the same and on another schedule and split into stages; a layout that
+cannot work fails with one line.
 
 Numbers agree to the rounding tolerances of tests/conftest.py (fp32 on CPU).
 """
@@ -17,15 +18,18 @@ from conftest import (
 BATCH = 8
 STEPS = 10
 STOP_AFTER = 4
-# (model, schedule, processes): 4 layers make 2 stages of 2 layers, 4 of 1, or (interleaved) 2 ranks x 2
-# stages. The tied Qwen3 runs where its first and last stage sit on different ranks (1F1B), and on ranks that
-# hold two stages each (interleaved); GPipe and 1F1B differ only in the order of the same work. Granite on 4
-# stages: hidden states cross 3 stage boundaries, each of which must not scale them as Granite scales its
-# embeddings (x12) and logits (measured: losses 0.085 off when they did). On 4 ranks each schedule runs once:
-# GPipe over 4 stages of one layer, interleaved 1F1B over 8 (an 8-layer Llama, 2 stages a rank).
+# (model, schedule, processes): 4 layers make 2 stages of 2 layers, 4 of 1, or (interleaved, V) 2 ranks x 2
+# stages. The tied Qwen3 runs where its first and last stage sit on different ranks (1F1B), on ranks that
+# hold two stages each (interleaved), and in a V, where rank 0 holds both; GPipe and 1F1B differ only in the
+# order of the same work. Granite on 4 stages: hidden states cross 3 stage boundaries, each of which must not
+# scale them as Granite scales its embeddings (x12) and logits (measured: losses 0.085 off when they did). On
+# 4 ranks each schedule runs once: GPipe over 4 stages of one layer, the others over 8 (an 8-layer Llama, 2
+# stages a rank; DualPipeV feeds 8 micro-batches, one a stage).
 LAYOUTS = [("llama", "gpipe", 2), ("llama", "interleaved-1f1b", 2), ("qwen3-tied", "1f1b", 2),
-           ("qwen3-tied", "interleaved-1f1b", 2), ("granite", "1f1b", 4), ("llama", "gpipe", 4),
-           ("llama-8-layers", "interleaved-1f1b", 4)]
+           ("qwen3-tied", "interleaved-1f1b", 2), ("llama", "interleaved-zb", 2), ("qwen3-tied", "zbv", 2),
+           ("qwen3-tied", "dualpipev", 2), ("granite", "1f1b", 4), ("llama", "gpipe", 4),
+           ("llama-8-layers", "interleaved-1f1b", 4), ("llama-8-layers", "interleaved-zb", 4),
+           ("llama-8-layers", "zbv", 4), ("llama-8-layers", "dualpipev", 4)]
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +46,8 @@ def launch(launch_once, common_args, models):
         args = [*common_args, "-m", models[model], "--max-steps", STEPS, "-b", BATCH]
         if schedule is None:
             return launch_once("01", args)
+        if schedule == "dualpipev":
+            args += ["--num-microbatches", 2 * nproc]
         return launch_once("08", [*args, "--schedule", schedule], nproc=nproc)
 
     return launch_layout
@@ -67,7 +73,7 @@ def test_k_accumulation_steps_multiply_the_micro_batches_of_the_schedule(launch,
     assert_same_training(ours, launch("llama"), STEPS)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved-1f1b", "zbv"])
 def test_a_tied_embedding_and_head_stay_one_matrix_on_two_stages(launch, schedule):
     ours = launch("qwen3-tied", schedule, 2)
     assert_tied_copies_equal(ours)
@@ -89,9 +95,10 @@ def test_sigterm_then_relaunch_on_the_same_and_on_another_split_continues_the_un
 ):
     uninterrupted = launch("qwen3-tied", "1f1b", 2)
     args = [*common_args, "-m", models["qwen3-tied"], "--max-steps", STEPS, "-b", BATCH]
-    # The checkpoint names each weight as in the whole model, so 2 ranks x 2 stages (interleaved) read it too.
-    for run in stop_then_resume("08", [*args, "--schedule", "1f1b"], 2, tmp_path, STOP_AFTER,
-                                elsewhere=([*args, "--schedule", "interleaved-1f1b"], 2)):
+    # The checkpoint names each weight as in the whole model, so a V of 2 ranks x 2 stages (rank 0 holding both
+    # copies of the tied matrix) writes what 1F1B's 2 stages read.
+    for run in stop_then_resume("08", [*args, "--schedule", "zbv"], 2, tmp_path, STOP_AFTER,
+                                elsewhere=([*args, "--schedule", "1f1b"], 2)):
         assert_same_training(run, uninterrupted, STEPS, first_step=STOP_AFTER + 1)
 
 
@@ -99,11 +106,21 @@ def test_sigterm_then_relaunch_on_the_same_and_on_another_split_continues_the_un
     (["--num-microbatches", 3],
      "error: --num-microbatches 3 does not divide -b 8; pass a divisor of the batch size"),
     (["--stages-per-rank", 2], "error: --schedule 1f1b runs one stage per rank; use --stages-per-rank 2+ only "
-                               "with --schedule interleaved-1f1b"),
+                               "with --schedule dualpipev, interleaved-1f1b, interleaved-zb, zbv"),
     (["--schedule", "interleaved-1f1b", "-m", "{llama}", "--stages-per-rank", 4],
      "error: 4 layers cannot fill 8 stages (2 pipeline ranks x 4 stages per rank), each stage needs a layer; "
      "use fewer pipeline ranks or --stages-per-rank"),
-], ids=["microbatches", "stages-per-rank", "too-few-layers"])
+    (["--schedule", "zbv", "--stages-per-rank", 3],
+     "error: --schedule zbv runs two stages per rank in a V (rank r: stages r and 2P-1-r); pass "
+     "--stages-per-rank 2 or leave it out"),
+    (["--schedule", "dualpipev", "-m", "{llama}", "--num-microbatches", 2],
+     "error: --schedule dualpipev feeds micro-batches from both ends of the 4 stages; pass --num-microbatches 4 or "
+     "more (and a -b it divides)"),
+    (["--schedule", "interleaved-zb", "--compile"],
+     "error: --schedule interleaved-zb splits each backward in two, which torch does not do for compiled stages; "
+     "drop --compile or use gpipe, 1f1b or interleaved-1f1b"),
+], ids=["microbatches", "stages-per-rank", "too-few-layers", "v-of-three", "dualpipev-microbatches",
+        "zero-bubble-compiled"])
 def test_a_layout_that_cannot_work_fails_with_one_line_on_every_rank(common_args, models, tmp_path, flags,
                                                                      message):
     flags = [str(flag).format(**models) for flag in flags]

@@ -29,9 +29,10 @@ CHAPTER_DIFFS = {
     ("02", "06"): (235, {"main", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
     # (and the forward without chapter 06's autocast: FSDP's mixed precision casts the weights)
     ("06", "07"): (95, {"main", "get_parser", "check_tensor_parallel_fits", "evaluate"}),
-    # A pipeline replaces the model's forward and backward with a schedule, and each rank's checkpoint part and
-    # export cover its stages: chapter 04's DCP format, under the whole model's names.
-    ("02", "08"): (360, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
+    # A pipeline replaces the model's forward and backward with a schedule (each of torch's six, placed as it
+    # runs), and each rank's checkpoint part and export cover its stages: chapter 04's DCP format, under the whole
+    # model's names.
+    ("02", "08"): (410, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
     ("07", "09"): (425, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
     # Context parallelism keeps chapter 04's sharding, checkpoints and export; the rows and the validation are
     # split over the dp ranks, the tokens over the cp ranks.

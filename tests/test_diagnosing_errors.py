@@ -211,6 +211,8 @@ LAUNCHES = {
     "nan-check": (torchrun("repro/nan_loss.py", "--check"), {}),
     "nan-anomaly": (torchrun("repro/nan_loss.py", "--detect-anomaly"), {}),
     "smoke": (torchrun("tools/smoke_test.py"), {}),
+    "v-on-a-loop": (torchrun("repro/v_schedule_on_a_loop.py", "--timeout", 5), {}),
+    "v-in-a-v": (torchrun("repro/v_schedule_on_a_loop.py", "--fixed"), {}),
 }
 
 
@@ -405,6 +407,20 @@ def test_debug_detail_names_the_mismatched_collectives(launches):
     assert "Rank 0 is running collective: CollectiveFingerPrint(SequenceNumber=3, OpType=ALLREDUCE" in run.stderr
     assert "Rank 1 is running collective: CollectiveFingerPrint(SequenceNumber=3OpType=BARRIER)" in run.stderr
     assert "Timed out" not in run.stderr  # named at once, not after the 60 s timeout
+
+
+# --- a pipeline schedule over stages it did not place ---
+
+def test_a_v_schedule_over_stages_placed_in_a_loop_waits_for_messages_that_never_come(launches):
+    run = launches["v-on-a-loop"]()
+    assert run.returncode != 0 and "loss" not in run.stdout
+    assert "rank 0: stages [0, 2]" in run.stdout and "rank 1: stages [1, 3]" in run.stdout
+    assert run.stderr.count("Timed out waiting 5000ms for recv operation to complete") == 2, run.stderr[-3000:]
+
+
+def test_the_same_schedule_over_stages_placed_in_a_v_trains(launches):
+    run = launches["v-in-a-v"]()
+    assert run.returncode == 0 and re.search(r"rank 0: loss \d", run.stdout), run.stdout + run.stderr[-2000:]
 
 
 # --- tensors of different shapes ---

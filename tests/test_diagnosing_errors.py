@@ -415,7 +415,11 @@ def test_a_v_schedule_over_stages_placed_in_a_loop_waits_for_messages_that_never
     run = launches["v-on-a-loop"]()
     assert run.returncode != 0 and "loss" not in run.stdout
     assert "rank 0: stages [0, 2]" in run.stdout and "rank 1: stages [1, 3]" in run.stdout
-    assert run.stderr.count("Timed out waiting 5000ms for recv operation to complete") == 2, run.stderr[-3000:]
+    # Either a rank times out in a recv inside torch's pipelining, or one reads another stage's message as a
+    # shape and asks for an absurd allocation (measured: 140 TB); the other rank then loses its connection.
+    timed_out = "Timed out waiting 5000ms for recv operation" in run.stderr and "dist.recv" in run.stderr
+    asked = [int(size) for size in re.findall(r"you tried to allocate (\d+) bytes", run.stderr)]
+    assert timed_out or (asked and min(asked) > 10**12), run.stderr[-3000:]
 
 
 def test_the_same_schedule_over_stages_placed_in_a_v_trains(launches):

@@ -6,9 +6,11 @@
 ScheduleZBVZeroBubble (and ScheduleDualPipeV) expect rank r to hold stages r and 2P-1-r, so that a micro-batch
 goes down the ranks and back up, and they address each message to the rank where that V puts a stage, whatever
 the ranks hold. Here rank 0 holds stages 0 and 2 and rank 1 stages 1 and 3 (the loop of the interleaved
-schedules): messages go where no stage waits for them, and each rank waits for one that never comes, until the
-process group's timeout. Nothing compares the two placements, and the traceback names only a recv. The fix:
-place the stages as the schedule does (chapter 08's stage_placement), or use a schedule that runs in a loop.
+schedules): messages go where no stage waits for them. Either each rank waits for one that never comes, until
+the process group's timeout, or a rank takes a message meant for another stage as the shape of its input and
+asks for some 140 TB; which of the two varies from run to run. Nothing compares the two placements, and the
+traceback names only a recv or an allocation. The fix: place the stages as the schedule does (chapter 08's
+stage_placement), or use a schedule that runs in a loop.
 """
 import argparse
 from datetime import timedelta

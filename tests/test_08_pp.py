@@ -9,11 +9,13 @@ Numbers agree to the rounding tolerances of tests/conftest.py (fp32 on CPU).
 """
 
 import pytest
+import transformers
 
 from conftest import (
-    INJECT, assert_same_training, assert_tied_copies_equal, inject_env, load_weights, run_chapter,
+    CHAPTERS, INJECT, assert_same_training, assert_tied_copies_equal, inject_env, load_weights, run_chapter,
     stop_then_resume, write_tiny_model,
 )
+from launching import load_script
 
 BATCH = 8
 STEPS = 10
@@ -129,3 +131,17 @@ def test_a_layout_that_cannot_work_fails_with_one_line_on_every_rank(common_args
     assert run.worker_stderr.count(message) == 2, run.stderr[-3000:]
     assert 'train_llm.py", line' not in run.stderr  # no traceback from the script
     assert not (run.exp_dir / "checkpoints").exists()
+
+
+def test_the_v_schedules_are_refused_on_cpus_with_a_torch_before_2_13(models, monkeypatch):
+    """torch 2.11's first step of a V schedule sends from a rank to itself, which gloo cannot (measured: "Pair is
+    not connected"); 2.13 and 2.15 run them. An older torch is refused in one line, not a gloo traceback."""
+    script = load_script(CHAPTERS["08"] / "train_llm.py")
+    monkeypatch.setattr(script["torch"], "__version__", "2.11.0")
+    config = transformers.AutoConfig.from_pretrained(models["llama"])
+    for schedule in ("zbv", "dualpipev"):
+        args = script["get_parser"]().parse_args(["--schedule", schedule])
+        with pytest.raises(SystemExit, match=f"--schedule {schedule} fails on CPUs with torch 2.11.0"):
+            script["check_pipeline_fits"](args, config, 2, 2)
+    args = script["get_parser"]().parse_args(["--schedule", "interleaved-zb"])
+    script["check_pipeline_fits"](args, config, 2, 2)

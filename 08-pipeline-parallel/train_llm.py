@@ -417,10 +417,11 @@ def check_pipeline_fits(args, config, pp_size, stages_per_rank):
         # placed otherwise hang or fail far from the cause (diagnosing-errors: a V schedule on a loop).
         problem = (f"--schedule {args.schedule} runs two stages per rank in a V (rank r: stages r and 2P-1-r); "
                    "pass --stages-per-rank 2 or leave it out")
-    elif args.schedule in V_SHAPED and torch.__version__ < "2.13" and not torch.cuda.is_available():
-        # (measured: torch 2.11's first V step sends from a rank to itself, which gloo cannot; 2.13 does not)
-        problem = (f"--schedule {args.schedule} fails on CPUs with torch {torch.__version__} (gloo cannot send "
-                   "from a rank to itself, as its first step does); use torch 2.13 or newer, or interleaved-zb")
+    elif args.schedule in V_SHAPED and torch.__version__ < "2.13":
+        # (measured: torch 2.11's first V step sends from a rank to itself, which gloo cannot, and NCCL is
+        # untested here; 2.13 and 2.15 do not)
+        problem = (f"--schedule {args.schedule} needs torch 2.13 or newer (torch {torch.__version__}'s first V "
+                   "step sends from a rank to itself, which gloo cannot); upgrade torch, or use interleaved-zb")
     elif args.schedule in SEVERAL_STAGES_PER_RANK and pp_size < 2:
         problem = f"--schedule {args.schedule} needs 2+ pipeline ranks; use 1f1b on one"
     elif args.compile and args.schedule in ("interleaved-zb", "zbv", "dualpipev"):

@@ -260,7 +260,8 @@ elif what == "all-gathers":
 
         return all_gather
 
-    # FSDP calls the one its torch release has through the module (all_gather_single from 2.12 on)
+    # FSDP calls the one its torch release has through the module (all_gather_into_tensor in torch 2.11,
+    # all_gather_single in 2.13 and 2.15)
     for name in ("all_gather_single", "all_gather_into_tensor"):
         if hasattr(dist, name):
             setattr(dist, name, counted_all_gather(getattr(dist, name)))

@@ -411,7 +411,7 @@ def test_debug_detail_names_the_mismatched_collectives(launches):
 
 # --- a pipeline schedule over stages it did not place ---
 
-def test_a_v_schedule_over_stages_placed_in_a_loop_waits_for_messages_that_never_come(launches):
+def test_a_v_schedule_over_stages_placed_in_a_loop_hangs_or_asks_for_an_absurd_allocation(launches):
     run = launches["v-on-a-loop"]()
     assert run.returncode != 0 and "loss" not in run.stdout
     assert "rank 0: stages [0, 2]" in run.stdout and "rank 1: stages [1, 3]" in run.stdout

@@ -19,6 +19,8 @@ import resource
 import shutil
 import signal
 import sys
+import tempfile
+import textwrap
 import time
 import traceback
 from dataclasses import dataclass
@@ -690,11 +692,9 @@ def set_rng_state(saved):
 
 
 def to_device(rows, device):
-    batch = torch.from_numpy(rows)
     # Only a copy from pinned (page-locked) memory overlaps the GPU's work: from ordinary memory it blocks the CPU.
-    if device.type == "cuda":
-        batch = batch.pin_memory()
-    return batch.to(device, non_blocking=True)
+    batch = torch.from_numpy(rows)
+    return (batch.pin_memory() if device.type == "cuda" else batch).to(device, non_blocking=True)
 
 
 def start_wandb(args, exp_dir):
@@ -770,8 +770,6 @@ def check_args(args):
 def check_save_dir(save_dir, experiment_name):
     """The experiment's folder, or the nearest above it that exists, must take a file (a nameless one, gone when
     closed): a run that fails its checks leaves nothing behind (make_experiment_dir creates the folder)."""
-    import tempfile
-
     existing = os.path.abspath(os.path.join(save_dir, experiment_name))
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -852,8 +850,6 @@ def exit_on_build_error(args):
 def one_line(error):
     """The error's message and its cause's (datasets gives the reason as the cause) in one line of at most 300
     characters: some libraries spread a message over several."""
-    import textwrap
-
     message = f"{error}: {error.__cause__}" if error.__cause__ else str(error)
     return textwrap.shorten(message, 300) or type(error).__name__
 
@@ -1040,8 +1036,6 @@ def load_newest_checkpoint(exp_dir, load, fresh_state):
 def damaged_file_error(error):
     """What a load failed on (at most 200 characters) if a damaged file explains it: one missing or cut short
     (OSError, EOFError, json's ValueError, torch.load's RuntimeError); else None."""
-    import textwrap
-
     failures = getattr(error, "failures", None)  # DCP's CheckpointException: {rank: (exception, traceback)}
     if isinstance(failures, dict) and failures:
         error = next(iter(failures.values()))[0]
@@ -1062,9 +1056,17 @@ def complete_checkpoints(checkpoints_dir):
 def checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format):
     """Every rank must enter this (from chapter 02 on, collectives inside): the folder step-N.partial that the
     block writes the checkpoint into, renamed to step-N (atomic) once the block has returned on every rank."""
-    checkpoints_dir = os.path.join(exp_dir, "checkpoints")
-    final_dir = os.path.join(checkpoints_dir, f"step-{state.step:08d}")
-    partial_dir = final_dir + ".partial"
+    partial_dir = start_checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format)
+    with stop_all_ranks_if_one_fails():
+        yield partial_dir
+    with stop_all_ranks_if_one_fails():
+        if dist.get_rank() == 0:
+            complete_checkpoint_folder(partial_dir)
+
+
+def start_checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format):
+    """Every rank must call this (from chapter 02 on, a collective inside): rank 0 makes step-N.partial."""
+    partial_dir = os.path.join(exp_dir, "checkpoints", f"step-{state.step:08d}.partial")
     # Every rank waits for rank 0 (once one exits, torchrun ends the job); one rank's failure stops all.
     with stop_all_ranks_if_one_fails():
         if dist.get_rank() == 0:
@@ -1072,12 +1074,13 @@ def checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format):
             os.makedirs(partial_dir)
             with open(os.path.join(partial_dir, "state.json"), "w") as f:
                 json.dump({**vars(state), "param_shapes": param_shapes, "checkpoint_format": checkpoint_format}, f)
-    with stop_all_ranks_if_one_fails():
-        yield partial_dir
-    with stop_all_ranks_if_one_fails():
-        if dist.get_rank() == 0:
-            os.rename(partial_dir, final_dir)
-            remove_old_checkpoints(checkpoints_dir)
+    return partial_dir
+
+
+def complete_checkpoint_folder(partial_dir):
+    """Rank 0 alone, once every rank has written its part: step-N.partial -> step-N (atomic), newest 2 kept."""
+    os.rename(partial_dir, partial_dir.removesuffix(".partial"))
+    remove_old_checkpoints(os.path.dirname(partial_dir))
 
 
 def remove_old_checkpoints(checkpoints_dir, keep=2):

@@ -11,6 +11,7 @@ train_args=(
     -b 1 -s 4096 --dtype bfloat16 --lr 1e-5 --warmup-steps 100
     --cpu-offload --activation-checkpointing --explicit-prefetch
     --timeout-minutes 60
-    # A checkpoint is 4.9 TB (fp32 weights and Adam moments): every 500 steps, not every 100.
-    --ckpt-freq 500 --log-freq 1
+    # A checkpoint is 4.9 TB (fp32 weights and Adam moments): every 500 steps, not every 100, each written while
+    # training goes on (76 GB a rank; a staging copy of 609 GB a node in CPU memory, see README.md).
+    --ckpt-freq 500 --async-checkpoint --log-freq 1
 )

@@ -60,6 +60,8 @@ def get_parser():
     parser.add_argument("--cpu-offload", action="store_true")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--explicit-prefetch", action="store_true")
+    parser.add_argument("--async-checkpoint", action="store_true",
+                        help="count the host copy that each rank stages its checkpoint in")
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object (bytes)")
     return parser
 
@@ -199,6 +201,8 @@ def make_plan(config, args):
     usable = (args.gpu_memory_gb - args.headroom_gb) * GB
     largest_batch = max(0, int((usable - on_gpu_state - gathered - gathered_gradients) // per_sequence))
     host_state = args.gpus_per_node * sum(state.values()) if args.cpu_offload else 0
+    # --async-checkpoint: each rank copies its weights and Adam moments to host memory, kept for the whole run.
+    staging = args.gpus_per_node * (state["parameters"] + state["optimizer_state"]) if args.async_checkpoint else 0
     load_bytes, load_dtypes, load_dtypes_from = load_read(config, args.model, shapes, shards)
     plan.update(
         config=type(config).__name__, total_parameters=total_params, shards=shards,
@@ -206,6 +210,7 @@ def make_plan(config, args):
                  "activations": args.batch_size * per_sequence},
         per_gpu_on_device=on_gpu_state + gathered + gathered_gradients + args.batch_size * per_sequence,
         usable_gpu_bytes=usable, largest_batch=largest_batch, per_node_host_state=host_state,
+        per_node_checkpoint_staging=staging,
         # what each rank reads during the load (its rows, as stored), and what chapter 04's load holds
         load_bytes_per_rank=load_bytes, load_dtypes=load_dtypes, load_dtypes_from=load_dtypes_from,
         rank0_full_load_bytes=4 * total_params,
@@ -217,9 +222,11 @@ def make_plan(config, args):
                          f"{usable / GB:.1f} GB usable"
                          + (f"; the largest batch that fits is -b {largest_batch}" if largest_batch else
                             f"; no batch fits: try {', '.join(remedies)}"))
-    elif host_state > args.host_memory_gb * GB:
-        plan["error"] = (f"does not fit: the offloaded state needs {size(host_state)} of CPU memory "
-                         f"per node, which has {size(args.host_memory_gb * GB)}; use more nodes")
+    elif host_state + staging > args.host_memory_gb * GB:
+        held = " and ".join(what for what, n in (("the offloaded state", host_state),
+                                                 ("the checkpoint's staging copy", staging)) if n)
+        plan["error"] = (f"does not fit: {held} need {size(host_state + staging)} of CPU memory per node, "
+                         f"which has {size(args.host_memory_gb * GB)}; use more nodes")
     return plan
 
 
@@ -252,8 +259,8 @@ def size(n):
 
 
 def options_on(args):
-    return [flag for flag in ("--cpu-offload", "--activation-checkpointing", "--explicit-prefetch")
-            if getattr(args, flag[2:].replace("-", "_"))]
+    return [flag for flag in ("--cpu-offload", "--activation-checkpointing", "--explicit-prefetch",
+                              "--async-checkpoint") if getattr(args, flag[2:].replace("-", "_"))]
 
 
 def print_plan(plan, args):
@@ -277,6 +284,9 @@ def print_plan(plan, args):
     if args.cpu_offload:
         print(f"  {'offloaded state on each node':<32} {size(plan['per_node_host_state']):>12}  of "
               f"{args.host_memory_gb:g} GB CPU memory")
+    if args.async_checkpoint:
+        print(f"  {'checkpoint staging on each node':<32} {size(plan['per_node_checkpoint_staging']):>12}  of "
+              f"{args.host_memory_gb:g} GB CPU memory (a copy of each rank's weights and Adam moments)")
     dtypes, sources = " + ".join(plan["load_dtypes"]), " and ".join(plan["load_dtypes_from"])
     full_load = size(plan["rank0_full_load_bytes"])
     print(f"  {'pretrained load, each rank reads':<32} {size(plan['load_bytes_per_rank']):>12}  (its rows, "

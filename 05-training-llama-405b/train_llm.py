@@ -5,7 +5,7 @@
 
 Chapter 04's script plus what such a model needs: pretrained weights read from safetensors by every rank, each
 only the slices it owns (no process ever holds the whole model), activation checkpointing, explicit prefetch,
-and a process-group timeout long enough for the load.
+a process-group timeout long enough for the load, and checkpoints written while training goes on.
 """
 import argparse
 import ctypes
@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict,
 )
@@ -149,6 +150,7 @@ def main():
     progress = tqdm(total=total_steps, initial=state.step, desc="training", disable=not show_progress)
     last_log_time, last_log_step = time.perf_counter(), state.step
     profiler = start_profiler(exp_dir, state.step, total_steps) if args.profile else None
+    async_checkpoints = AsyncCheckpoints(device) if args.async_checkpoint else None  # written while training
     model.train()
 
     while state.step < total_steps:
@@ -220,13 +222,15 @@ def main():
             state.window_steps = 0
             last_log_time, last_log_step = time.perf_counter(), state.step
 
+        if async_checkpoints is not None:
+            async_checkpoints.complete_if_written()
         if stop or state.step % args.ckpt_freq == 0 or state.step == total_steps:
             # The window's losses are this rank's; the checkpoint keeps their mean over ranks.
             dist.all_reduce(running_loss, op=dist.ReduceOp.AVG)
             state.window_loss_sum = running_loss.item()
             exit_if_diverged(state.step, state.window_loss_sum, grad_norm.item())
             # Each rank holds different shards, so every rank writes its own part of the checkpoint.
-            save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
+            save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule, async_checkpoints)
         if profiler is not None:
             profiler.step()
         if stop:
@@ -235,6 +239,8 @@ def main():
     progress.close()
     if profiler is not None:
         profiler.stop()
+    if async_checkpoints is not None:
+        async_checkpoints.close()  # the last checkpoint is complete before the export and the exit
     if state.step == total_steps:
         export_hf(os.path.join(exp_dir, "hf"), model, tokenizer)
     if wandb_run is not None:
@@ -424,16 +430,73 @@ def load_pretrained_weights(model, model_name):
         del rows  # before the next tensor's rows are read
 
 
-def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule):
+def save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule, async_checkpoints=None):
+    if async_checkpoints is not None:
+        return async_checkpoints.save(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
     with checkpoint_folder(exp_dir, state, param_shapes, "sharded (DCP)") as folder:
         # get_state_dict names shards by parameter name and offsets: a checkpoint of N ranks loads into any number.
         # dcp.save writes a file per rank, then rank 0 the index (.metadata); every node must see the folder.
         model_state, optimizer_state = get_state_dict(model, optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
-        # The data order has its own generator; the RNG states cover anything random in the model (dropout).
-        training_state = {"lr_schedule": lr_schedule.state_dict(), "rng": rng_state()}
-        if dist.get_rank() == 0:
-            torch_save(training_state, os.path.join(folder, "checkpoint.pt"))
+        save_training_state(folder, lr_schedule)
+
+
+def save_training_state(folder, lr_schedule):
+    # The data order has its own generator; the RNG states cover anything random in the model (dropout).
+    training_state = {"lr_schedule": lr_schedule.state_dict(), "rng": rng_state()}
+    if dist.get_rank() == 0:
+        torch_save(training_state, os.path.join(folder, "checkpoint.pt"))
+
+
+class AsyncCheckpoints:
+    """--async-checkpoint: dcp.async_save copies this rank's state to host memory (the step waits only for that)
+    and writes it from a thread while training goes on. At most one write is in flight: the next save, a stop
+    and the end wait for it. Its step-N.partial becomes step-N once every rank's write has ended."""
+
+    def __init__(self, device):
+        # Every rank must create this (new_group is a collective). The writing thread's collectives get a gloo
+        # group of their own: on training's group, two threads' collectives could pair up differently on each rank.
+        self.group = dist.new_group(backend="gloo")
+        # One staging copy for the run, reused by every save; on a GPU pinned (page-locked), fastest to copy to.
+        # NOTE: torch before 2.13 frees a stager after one save (the next fails: KeyError: <class 'type'>); there
+        # async_save stages into a new, unpinned copy each save (stager None).
+        options = StagingOptions(use_pinned_memory=device.type == "cuda", use_shared_memory=False,
+                                 use_async_staging=False, use_non_blocking_copy=False)
+        self.stager = DefaultStager(options) if torch.__version__ >= "2.13" else None
+        self.write, self.partial_dir = None, None
+
+    def save(self, exp_dir, state, param_shapes, model, optimizer, lr_schedule):
+        """Every rank must call this (collectives inside): start writing step-N in the background."""
+        self.wait()  # first: completing the write in flight removes every other step-N.partial
+        self.partial_dir = start_checkpoint_folder(exp_dir, state, param_shapes, "sharded (DCP)")
+        with stop_all_ranks_if_one_fails():
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            self.write = dcp.async_save({"model": model_state, "optimizer": optimizer_state},
+                                        checkpoint_id=self.partial_dir, process_group=self.group,
+                                        async_stager=self.stager)
+            save_training_state(self.partial_dir, lr_schedule)
+
+    def complete_if_written(self):
+        """Rank 0 at each step, no collective: DCP's rank 0 writes the checkpoint's index (.metadata) after every
+        rank's write has returned, so once its own write has ended, the checkpoint is whole."""
+        if dist.get_rank() == 0 and self.partial_dir and self.write.done() and self.write.exception() is None:
+            complete_checkpoint_folder(self.partial_dir)
+            self.partial_dir = None
+
+    def wait(self):
+        """Every rank must call this (collectives inside): the write in flight ends and its folder is complete,
+        or every rank stops with the line of the rank whose write failed (a full disk)."""
+        if self.write is not None:
+            with stop_all_ranks_if_one_fails():
+                self.write.result()
+                self.complete_if_written()
+            self.write = None
+
+    def close(self):
+        """Every rank must call this (collectives inside): wait for the last write, free the staging copy."""
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
 
 
 def load_checkpoint(checkpoint_dir, model, optimizer, lr_schedule, param_shapes, fixed_flags):
@@ -528,6 +591,9 @@ def get_parser():
     parser.add_argument("--reshard-after-forward", type=true_false_or_int, default=True,
                         help="true: free gathered weights after forward (ZeRO-3); false: keep them for backward; "
                              "N: keep them sharded over N ranks")
+    parser.add_argument("--async-checkpoint", action="store_true",
+                        help="write checkpoints from a thread while training goes on (a host copy of each rank's "
+                             "state: see README.md)")
     parser.add_argument("-e", "--experiment-name", default="default",
                         help="name of the run; relaunching the same name resumes it")
     parser.add_argument("--save-dir", default="outputs", help="where <experiment-name>/ is written")

@@ -16,6 +16,11 @@ INJECT=count-collectives  at exit, print "rank r: collectives {json}": the colle
                       after each optimizer step, by step (0: before the first)
 INJECT=applied-lr     print "rank r: step k lr X" just before each optimizer step: the learning rate it applies
 INJECT=sigkill        SIGKILL this rank right after its k-th optimizer step (the OOM killer, a segfault)
+INJECT=sigterm-in-write  in the k-th checkpoint write that runs in a background thread (chapter 05's
+                      --async-checkpoint), send this rank SIGTERM, and go on writing only once training has taken
+                      another optimizer step (a scheduler's warning while a write is in flight)
+INJECT=sigkill-in-write  in the k-th such write, SIGKILL this rank once training has taken another optimizer step
+                      (a node dying while a write is in flight)
 INJECT=nan            fill every weight this rank holds with NaN right after its k-th optimizer step (training
                       that diverged: the next forward pass gives a NaN loss)
 INJECT=fill-disk      fill the file system of the folder INJECT_FILL_DIR right after the k-th optimizer step (a
@@ -178,6 +183,31 @@ elif what == "kill-in-save":
         os.kill(os.getpid(), signal.SIGKILL)
 
     torch.save = save_then_die_halfway
+elif what in ("sigterm-in-write", "sigkill-in-write"):
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    real_write_data, background_writes = FileSystemWriter.write_data, 0
+    register_optimizer_step_post_hook(count_steps)
+
+    def write_during_training(self, *args, **kwargs):
+        global background_writes
+        if threading.current_thread() is not threading.main_thread():
+            background_writes += 1
+            if affected and background_writes == after_step:
+                say(f"{what} on rank {rank} in background write {background_writes} after step {steps_done}")
+                if what == "sigterm-in-write":
+                    os.kill(os.getpid(), signal.SIGTERM)
+                written_after = steps_done
+                deadline = time.monotonic() + 60
+                while steps_done == written_after and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                if what == "sigkill-in-write":
+                    os.kill(os.getpid(), signal.SIGKILL)
+        return real_write_data(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = write_during_training
 elif what == "count-collectives":
     collectives = {}
 

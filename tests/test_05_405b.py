@@ -13,7 +13,8 @@ import torch
 import transformers
 
 from conftest import (
-    INJECT, ROOT, assert_same_training, inject_env, load_weights, run_chapter, shard_bytes, write_tiny_model,
+    INJECT, ROOT, assert_same_training, inject_env, load_weights, max_weight_diff, run_chapter, shard_bytes,
+    write_tiny_model,
 )
 from launching import load_script
 
@@ -247,6 +248,16 @@ def test_planner_counts_the_weight_gradient_and_adam_bytes_each_rank_holds(chapt
         assert estimate["per_gpu"][key] == max(held[rank][key][0] for rank in held), key
 
 
+def test_planner_counts_the_host_copy_an_async_checkpoint_stages(chapter_05, tiny_model):
+    held = shard_bytes(chapter_05)
+    estimate = plan(tiny_model, "--nodes", 1, "--gpus-per-node", 2, "--dtype", "float32", "-s", 32,
+                    "--async-checkpoint")
+    # what a checkpoint holds of each rank (its weights and Adam state, not its gradients), staged by both ranks
+    staged = sum(held[rank][key][0] for rank in held for key in ("parameters", "optimizer_state"))
+    assert estimate["per_node_checkpoint_staging"] == 2 * max(
+        held[rank]["parameters"][0] + held[rank]["optimizer_state"][0] for rank in held) >= staged
+
+
 def launch_file_args(model_dir, dataset):
     """The train_llm.py flags that llama_405b_args.sh gives both launchers, as bash expands them."""
     shown = subprocess.run(
@@ -266,10 +277,12 @@ def test_every_flag_the_launch_files_pass_parses(tiny_model, tiny_dataset):
     # argparse exits (and the test fails) on any flag it does not know, or a value it rejects
     parsed = load_script(SCRIPT)["get_parser"]().parse_args(args)
     assert parsed.from_pretrained and parsed.cpu_offload and parsed.activation_checkpointing
-    # the layout the launch files run is the one the planner says fits
+    assert parsed.async_checkpoint
+    # the layout the launch files run is the one the planner says fits, in GPU and in CPU memory
     estimate = plan("--nodes", 8, "--gpus-per-node", 8, "-b", parsed.batch_size, "-s", parsed.seq_length,
-                    "--cpu-offload", "--activation-checkpointing", "--explicit-prefetch")
+                    "--cpu-offload", "--activation-checkpointing", "--explicit-prefetch", "--async-checkpoint")
     assert estimate["error"] is None and estimate["largest_batch"] >= parsed.batch_size, estimate
+    assert estimate["per_node_checkpoint_staging"] > 0
 
 
 @pytest.mark.parametrize("flags,line", [
@@ -344,3 +357,81 @@ def test_a_bad_checkpoint_fails_on_every_rank_with_one_line(make, tiny_dataset, 
     # another in a collective would take the process-group timeout (60 minutes) instead.
     assert time.monotonic() - started < 60
     assert not (run.exp_dir / "checkpoints").exists() and not (run.exp_dir / "hf").exists()
+
+
+# --async-checkpoint: writes at steps 4 and 8 go on while the next steps train; the one at 12 is waited for.
+ASYNC = ["--ckpt-freq", 4, "--async-checkpoint"]
+
+
+@pytest.fixture(scope="module")
+def written_in_the_background(launch_once, parity_args):
+    return launch_once("05", [*parity_args, *ASYNC], nproc=2, script=SCRIPT)
+
+
+def checkpoint_state(checkpoint_dir):
+    """A DCP checkpoint's model and optimizer tensors by name, each whole (every rank's shards joined)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(checkpoint_dir, f"{tmp}/whole.pt")
+        whole = torch.load(f"{tmp}/whole.pt", weights_only=False)
+    tensors = {f"model/{name}": value for name, value in whole["model"].items()}
+    for param, state in whole["optimizer"]["state"].items():
+        tensors.update({f"optimizer/{param}/{key}": value for key, value in state.items()})
+    return tensors
+
+
+def assert_same_checkpoints(ours, reference, names):
+    """Two runs keep the checkpoints `names`, their weights and Adam state equal bit for bit."""
+    for name in names:
+        mine, theirs = (checkpoint_state(run.exp_dir / "checkpoints" / name) for run in (ours, reference))
+        assert mine.keys() == theirs.keys() and any(key.startswith("optimizer/") for key in mine)
+        assert all(mine[key].equal(theirs[key]) for key in mine), name
+
+
+def test_async_checkpoints_train_and_save_bit_for_bit_what_synchronous_ones_do(
+    launch_once, parity_args, written_in_the_background
+):
+    synchronous = launch_once("05", [*parity_args, "--ckpt-freq", 4], nproc=2, script=SCRIPT)
+    assert written_in_the_background.losses == synchronous.losses
+    assert max_weight_diff(written_in_the_background.exp_dir / "hf", synchronous.exp_dir / "hf") == 0
+    # step 8's state was copied before steps 9-11 changed the weights: its write saw none of them
+    kept = ["step-00000008", "step-00000012"]
+    assert sorted(path.name for path in (written_in_the_background.exp_dir / "checkpoints").iterdir()) == kept
+    assert_same_checkpoints(written_in_the_background, synchronous, kept)
+
+
+def test_sigterm_while_a_write_is_in_flight_completes_it_then_stops_and_a_relaunch_continues(
+    parity_args, written_in_the_background, tmp_path
+):
+    args = [*parity_args, *ASYNC]
+    stopped = run_chapter("05", args, tmp_path, nproc=2, script=INJECT, expect_ok=False,
+                          env=inject_env("05", "sigterm-in-write", after_step=2))
+    assert "inject: sigterm-in-write on rank 1 in background write 2 after step 8" in stopped.stderr
+    assert stopped.worker_stderr.count("stopped by a signal after step 9;") == 2, stopped.stderr[-3000:]
+    # the write of step 8 was finished and completed, then step 9 was saved
+    assert sorted(path.name for path in (stopped.exp_dir / "checkpoints").iterdir()) == [
+        "step-00000008", "step-00000009"]
+    resumed = run_chapter("05", args, tmp_path, nproc=2, script=SCRIPT)
+    assert resumed.stdout.count("at step 9") == 2
+    assert resumed.losses == written_in_the_background.losses
+    assert_same_checkpoints(resumed, written_in_the_background, ["step-00000012"])
+
+
+def test_sigkill_while_a_write_is_in_flight_resumes_from_the_previous_complete_checkpoint(
+    parity_args, written_in_the_background, tmp_path
+):
+    args = [*parity_args, *ASYNC]
+    killed = run_chapter("05", args, tmp_path, nproc=2, script=INJECT, expect_ok=False,
+                         env=inject_env("05", "sigkill-in-write", rank=1, after_step=2))
+    assert killed.returncode != 0
+    assert "inject: sigkill-in-write on rank 1 in background write 2 after step 8" in killed.stderr
+    # rank 0 wrote its part of step 8 and rank 1 died writing its own: step 8 is not complete
+    assert sorted(path.name for path in (killed.exp_dir / "checkpoints").iterdir()) == [
+        "step-00000004", "step-00000008.partial"]
+    resumed = run_chapter("05", args, tmp_path, nproc=2, script=SCRIPT)
+    assert resumed.stdout.count("at step 4") == 2
+    assert resumed.losses == written_in_the_background.losses
+    assert_same_checkpoints(resumed, written_in_the_background, ["step-00000012"])

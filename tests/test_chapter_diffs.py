@@ -23,7 +23,9 @@ CHAPTER_DIFFS = {
     ("01", "02"): (205, {"main", "save_checkpoint", "evaluate"}),
     ("02", "04"): (248, {"main", "build_model", "save_checkpoint", "load_checkpoint", "export_hf", "get_parser",
                          "evaluate"}),
-    ("04", "05"): (105, {"main", "get_parser", "build_model", "shard_model", "load_pretrained_weights"}),
+    # (and --async-checkpoint: save_checkpoint hands a save to AsyncCheckpoints, which writes it in the background)
+    ("04", "05"): (190, {"main", "get_parser", "build_model", "shard_model", "load_pretrained_weights",
+                         "save_checkpoint"}),
     # Tensor parallelism replaces DDP and takes chapter 04's DCP checkpoints and export (BORROWED below).
     # (and its validation runs the compiled blocks eagerly: torch 2.13 fails them under no_grad)
     ("02", "06"): (235, {"main", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),

@@ -2,7 +2,8 @@
 # Both ends of the torch range the chapters support (TESTED_TORCH in every train_llm.py), each in a venv of its
 # own: one loss-parity test of every chapter from 02 on (each technique's layout on 2-4 ranks, the mechanisms a
 # torch release changes: DDP, FSDP2 and DCP, DTensor TP, pipelining, CP, EP), a DCP resume across world
-# sizes, and FSDP's fresh init (no warning on any rank). The pinned suite (.ci/run) runs all the rest once.
+# sizes, FSDP's fresh init (no warning on any rank), and DCP's async save (its stager differs before 2.13).
+# The pinned suite (.ci/run) runs all the rest once.
 # PyPI's Linux torch is the CUDA build (about 4 GB with its nvidia packages); it runs on a CPU, where
 # importing it takes twice as long as the CPU build's.
 #     bash .ci/torch-range.sh oldest|newest
@@ -28,6 +29,7 @@ PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install --quiet "torch==$torch" "transf
     "tests/test_04_fsdp.py::test_resume_from_a_two_rank_checkpoint_continues_the_uninterrupted_run[4]" \
     tests/test_04_fsdp.py::test_fresh_init_matches_chapter_01s_init_and_recomputes_rope \
     "tests/test_05_405b.py::test_loss_matches_chapter_04_step_by_step[checkpointing-and-prefetch]" \
+    tests/test_05_405b.py::test_async_checkpoints_train_and_save_bit_for_bit_what_synchronous_ones_do \
     "tests/test_06_tp.py::test_tp_matches_single_process_loss_and_weights[2]" \
     "tests/test_07_2d.py::test_2d_matches_single_process_at_the_global_batch[dp2-tp2-llama]" \
     "tests/test_08_pp.py::test_pipeline_matches_single_process[llama-interleaved-1f1b-2ranks]" \

@@ -21,6 +21,8 @@ INJECT=sigterm-in-write  in the k-th checkpoint write that runs in a background 
                       another optimizer step (a scheduler's warning while a write is in flight)
 INJECT=sigkill-in-write  in the k-th such write, SIGKILL this rank once training has taken another optimizer step
                       (a node dying while a write is in flight)
+INJECT=save-times     print "inject: rank r: dcp.save blocked S s" (or dcp.async_save) after each such call: how long
+                      a checkpoint holds up the training loop (chapter 05's benchmark of --async-checkpoint)
 INJECT=nan            fill every weight this rank holds with NaN right after its k-th optimizer step (training
                       that diverged: the next forward pass gives a NaN loss)
 INJECT=fill-disk      fill the file system of the folder INJECT_FILL_DIR right after the k-th optimizer step (a
@@ -208,6 +210,20 @@ elif what in ("sigterm-in-write", "sigkill-in-write"):
         return real_write_data(self, *args, **kwargs)
 
     FileSystemWriter.write_data = write_during_training
+elif what == "save-times":
+    import torch.distributed.checkpoint as dcp
+
+    def timed(name, real_call):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            result = real_call(*args, **kwargs)
+            say(f"rank {rank}: {name} blocked {time.perf_counter() - start:.2f} s")
+            return result
+
+        return call
+
+    # The chapters call dcp.save / dcp.async_save through the module, so replacing its attributes reaches them.
+    dcp.save, dcp.async_save = timed("dcp.save", dcp.save), timed("dcp.async_save", dcp.async_save)
 elif what == "count-collectives":
     collectives = {}
 

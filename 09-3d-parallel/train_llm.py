@@ -250,7 +250,7 @@ def main():
         if tied_copy is not None:
             dist.all_reduce(tied_copy.grad.to_local(), group=tie_group)
         grad_norm = clip_grad_norm_over_stages(
-            stages, args.max_grad_norm, mesh["pp"].get_group(), skip=tied_copy if has_last_stage else None
+            stages, args.max_grad_norm, skip=tied_copy if has_last_stage else None
         )
         optimizer.step()
         # Read before the schedule advances, so the logged lr is the one this step used.
@@ -492,14 +492,21 @@ def tied_weight_copy(stages, has_first_stage, has_last_stage):
     return stages[-1].get_output_embeddings().weight if has_last_stage else None
 
 
-def clip_grad_norm_over_stages(stages, max_norm, pp_group, skip=None):
-    """clip_grad_norm_ of the whole model: the norm of a stage's DTensors adds up the pieces of its dp and tp
-    ranks, and the squares of the stages' norms are summed over the pipeline. `skip` is a gradient counted on
-    another rank already (the head's copy of a tied embedding)."""
+def clip_grad_norm_over_stages(stages, max_norm, skip=None):
+    """clip_grad_norm_ of the whole model, the same bits on every rank. Every rank must call this (an all-reduce
+    inside). `skip` is a gradient counted on another rank already (the head's copy of a tied embedding)."""
     params = [p for stage in stages for p in stage.parameters()]
-    local_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None and p is not skip])
-    squared_norm = local_norm.full_tensor() ** 2
-    dist.all_reduce(squared_norm, group=pp_group)
+    # Each rank adds the squares of the pieces it holds (a replicated piece by its first copy alone), then ONE
+    # all-reduce over every rank hands each the same bits. Sums over dp, then tp, then pp could differ in their
+    # last bits by rank: ranks would clip by other factors, and replicated weights drift apart.
+    squared_norm = torch.zeros((), device=params[0].device)
+    for grad in [p.grad for p in params if p.grad is not None and p is not skip]:
+        # A gradient still pending its sum over tp (Partial, the sequence-parallel norms') is summed first.
+        grad = grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in grad.placements])
+        if all(grad.device_mesh.get_local_rank(dim) == 0
+               for dim, placement in enumerate(grad.placements) if placement.is_replicate()):
+            squared_norm += torch.linalg.vector_norm(grad.to_local()) ** 2
+    dist.all_reduce(squared_norm)
     total_norm = squared_norm.sqrt()
     # NOTE: foreach=False: on torch 2.11 the fused in-place multiply does nothing to a gradient still pending its
     # all-reduce (Partial, the sequence-parallel norms'), so those would go unclipped.

@@ -31,6 +31,9 @@ INJECT=kept-outputs   after the k-th step, print "rank r: kept_output_chunks N":
                       rank's pipeline stages still hold (a schedule keeps each one unless told not to)
 INJECT=ddp-all-reduces  at exit, print "rank r: ddp_all_reduces {json}": the gradient all-reduces DDP ran (its
                       buckets), by optimizer step (1 = the first)
+INJECT=replica-hashes  at exit, print "rank r: replica_hashes {json}": for each weight this rank's optimizer
+                      steps, in order, a hash of its local values and which mesh dimensions replicate it (the
+                      copies that tensor parallelism keeps of a norm's weight must stay equal bit for bit)
 INJECT=label-counts   at exit, print "rank r: label_counts [n, ...]": the label tokens (not -100) of each
                       cross_entropy call, in order (one a micro-batch in chapter 01)
 INJECT=rows           at exit, print "rank r: rows {json}": the token rows the model read in training and in
@@ -224,6 +227,26 @@ elif what == "save-times":
 
     # The chapters call dcp.save / dcp.async_save through the module, so replacing its attributes reaches them.
     dcp.save, dcp.async_save = timed("dcp.save", dcp.save), timed("dcp.async_save", dcp.async_save)
+elif what == "replica-hashes":
+    import hashlib
+
+    stepped = []
+
+    def remember_params(optimizer, args, kwargs):
+        stepped[:] = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def replica_hashes():
+        hashes = []
+        for param in stepped:
+            local = param.to_local() if isinstance(param, DTensor) else param
+            replicated_over = ([name for name, placement in zip(param.device_mesh.mesh_dim_names, param.placements)
+                                if placement.is_replicate()] if isinstance(param, DTensor) else [])
+            digest = hashlib.sha1(local.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+            hashes.append({"hash": digest, "replicated_over": replicated_over})
+        return f"replica_hashes {json.dumps(hashes)}"
+
+    register_optimizer_step_post_hook(remember_params)
+    report_at_exit(replica_hashes)
 elif what == "count-collectives":
     collectives = {}
 

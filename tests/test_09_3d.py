@@ -2,11 +2,14 @@
 numbers as chapter 01 on one process at the global batch (dp * -b): at (pp, dp, tp) = (2, 1, 2) for a Granite
 (a Llama that scales outside its layers), (2, 2, 1) for a Qwen3 whose embedding is tied to its head, and
 (2, 1, 2) for a Llama under the interleaved schedule, also compiled on 2 ranks; a run stopped by SIGTERM
-resumes to the uninterrupted losses, also on another layout; sizes whose product is not the number of ranks
-fail with one line.
+resumes to the uninterrupted losses, also on another layout; the weights that TP replicates stay equal bit for
+bit under clipping; sizes whose product is not the number of ranks fail with one line.
 
 Numbers agree to the rounding tolerances of tests/conftest.py (fp32 on CPU).
 """
+
+import json
+import re
 
 import pytest
 
@@ -95,6 +98,25 @@ def test_sigterm_then_relaunch_on_the_same_and_on_another_layout_continues_the_u
     for run in stop_then_resume("09", [*args, *flags], nproc, tmp_path, STOP_AFTER,
                                 elsewhere=([*args, *other_flags], other_nproc)):
         assert_same_training(run, uninterrupted, STEPS, first_step=STOP_AFTER + 1)
+
+
+def test_replicated_weights_stay_bitwise_equal_across_tp_ranks_with_clipping_active(common_args, four_layer_models,
+                                                                                      tmp_path):
+    """Every rank computes the clipping norm with one all-reduce, so each clips by the same bits: the norm weights
+    that tensor parallelism replicates stay equal bit for bit after 20 clipped steps. torch's own full_tensor()
+    sums over tp, then dp, warning that ranks may then disagree."""
+    flags, nproc = on(2, 1, 2)
+    args = [*common_args, "-m", four_layer_models["llama"], "--max-steps", 20, *flags, "--max-grad-norm", 0.01]
+    run = run_chapter("09", args, tmp_path, nproc=nproc, script=INJECT, env=inject_env("09", "replica-hashes"))
+    assert min(m["grad_norm"] for m in run.metrics) > 0.1  # every step clipped
+    hashes = [json.loads(re.search(rf"^rank {rank}: replica_hashes (.*)$", run.stdout, re.M)[1])
+              for rank in range(nproc)]
+    for stage_ranks in [(0, 1), (2, 3)]:  # the tp pairs of pipeline stages 0 and 1
+        first, second = (hashes[rank] for rank in stage_ranks)
+        replicated = [i for i, param in enumerate(first) if "tp" in param["replicated_over"]]
+        assert replicated, first
+        assert [first[i]["hash"] for i in replicated] == [second[i]["hash"] for i in replicated]
+    assert "_NormPartial" not in run.stderr
 
 
 @pytest.mark.parametrize("flags,message", [

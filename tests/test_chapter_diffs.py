@@ -35,7 +35,7 @@ CHAPTER_DIFFS = {
     # runs), and each rank's checkpoint part and export cover its stages: chapter 04's DCP format, under the whole
     # model's names.
     ("02", "08"): (415, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
-    ("07", "09"): (425, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
+    ("07", "09"): (432, {"main", "get_parser", "save_checkpoint", "load_checkpoint", "export_hf", "evaluate"}),
     # Context parallelism keeps chapter 04's sharding, checkpoints and export; the rows and the validation are
     # split over the dp ranks, the tokens over the cp ranks.
     ("04", "10"): (182, {"main", "get_parser", "evaluate"}),

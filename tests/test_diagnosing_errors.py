@@ -411,15 +411,21 @@ def test_debug_detail_names_the_mismatched_collectives(launches):
 
 # --- a pipeline schedule over stages it did not place ---
 
-def test_a_v_schedule_over_stages_placed_in_a_loop_hangs_or_asks_for_an_absurd_allocation(launches):
+def test_a_v_schedule_over_stages_placed_in_a_loop_fails_in_a_recv_inside_torchs_pipelining(launches):
     run = launches["v-on-a-loop"]()
     assert run.returncode != 0 and "loss" not in run.stdout
     assert "rank 0: stages [0, 2]" in run.stdout and "rank 1: stages [1, 3]" in run.stdout
-    # Either a rank times out in a recv inside torch's pipelining, or one reads another stage's message as a
-    # shape and asks for an absurd allocation (measured: 140 TB); the other rank then loses its connection.
-    timed_out = "Timed out waiting 5000ms for recv operation" in run.stderr and "dist.recv" in run.stderr
-    asked = [int(size) for size in re.findall(r"you tried to allocate (\d+) bytes", run.stderr)]
-    assert timed_out or (asked and min(asked) > 10**12), run.stderr[-3000:]
+    # What fails varies from run to run (a recv that times out; bytes of another stage read as a shape: an
+    # absurd allocation, a negative dimension, a size that is not an integer), where it fails does not: every
+    # rank's traceback goes through torch's pipelining and ends in a recv, far from the placement. (torchrun's
+    # SIGTERM may stop the second rank before it prints one.)
+    tracebacks = [re.findall(rf'^\[rank{rank}\]:\s+File "([^"]+)", line \d+, in (\w+)', run.stderr, re.MULTILINE)
+                  for rank in (0, 1)]
+    tracebacks = [frames for frames in tracebacks if frames]
+    assert tracebacks, run.stderr[-3000:]
+    for frames in tracebacks:
+        assert any("/torch/distributed/pipelining/" in file for file, _ in frames), run.stderr[-3000:]
+        assert frames[-1][1] in ("recv", "recv_object_list"), (frames[-3:], run.stderr[-3000:])
 
 
 def test_the_same_schedule_over_stages_placed_in_a_v_trains(launches):

@@ -48,6 +48,9 @@ INJECT=all-to-all-bytes  at exit, print "rank r: all_to_all_bytes {json}": the b
                       a validation pass under "validation after k"
 INJECT=all-gathers    at exit, print "rank r: all_gathers {json}": the all-gathers of tensors that torch runs for
                       this rank (FSDP's weights), by optimizer step (1 = the first): [group size, bytes] each
+INJECT=saved-activations  at exit, print "rank r: saved_activation_bytes N": the most bytes that autograd held for
+                      backward at once in training (tensors saved by the forward, not the weights): what a
+                      pipeline schedule's order of forwards and backwards costs in activation memory
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -379,6 +382,39 @@ elif what == "all-to-all-bytes":
         lambda module, inputs: in_training_mode.__setitem__(0, module.training))
     register_optimizer_step_post_hook(count_steps)
     report_at_exit(lambda: f"all_to_all_bytes {json.dumps(sent_by_step)}")
+elif what == "saved-activations":
+    from torch.nn import Parameter
+
+    held = {"bytes": 0, "peak": 0, "storages": {}}  # storages: {data_ptr: [saved tensors holding it, bytes]}
+
+    class Saved:
+        """What the pack hook returns: autograd keeps it until the backward that needs it has run (a split
+        backward until its weight half), and drops it then; a storage counts once however many save it."""
+
+        def __init__(self, tensor):
+            # detached: a node that saves its own output would otherwise hold itself through this object, a
+            # cycle that outlives the step (autograd breaks it only for tensors it saves without hooks)
+            self.tensor, self.key = tensor.detach(), tensor.untyped_storage().data_ptr()
+            entry = held["storages"].setdefault(self.key, [0, tensor.untyped_storage().nbytes()])
+            entry[0] += 1
+            if entry[0] == 1:
+                held["bytes"] += entry[1]
+                held["peak"] = max(held["peak"], held["bytes"])
+
+        def __del__(self):
+            entry = held["storages"][self.key]
+            entry[0] -= 1
+            if entry[0] == 0:
+                held["bytes"] -= entry[1]
+                del held["storages"][self.key]
+
+    def pack(tensor):
+        # a weight (or a view of one, as a linear layer saves it) is memory the model holds anyway
+        return tensor if isinstance(tensor, Parameter) or isinstance(tensor._base, Parameter) else Saved(tensor)
+
+    torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved.tensor if isinstance(saved, Saved)
+                                             else saved).__enter__()
+    report_at_exit(lambda: f"saved_activation_bytes {held['peak']}")
 else:
     raise SystemExit(f"inject.py: unknown INJECT={what!r}")
 

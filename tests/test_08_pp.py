@@ -8,14 +8,18 @@ cannot work fails with one line.
 Numbers agree to the rounding tolerances of tests/conftest.py (fp32 on CPU).
 """
 
+import re
+
 import pytest
 import transformers
 
 from conftest import (
-    CHAPTERS, INJECT, assert_same_training, assert_tied_copies_equal, inject_env, load_weights, run_chapter,
+    CHAPTERS, INJECT, ROOT, assert_same_training, assert_tied_copies_equal, inject_env, load_weights, run_chapter,
     stop_then_resume, write_tiny_model,
 )
 from launching import load_script
+
+TIMELINE = load_script(ROOT / "related-topics" / "profiling" / "timeline.py")
 
 BATCH = 8
 STEPS = 10
@@ -91,6 +95,44 @@ def test_the_schedule_keeps_no_micro_batch_outputs_after_a_step(common_args, mod
     run = run_chapter("08", args, tmp_path, nproc=2, script=INJECT, env=inject_env("08", "kept-outputs"))
     for rank in (0, 1):
         assert f"rank {rank}: kept_output_chunks 0 in 1 stages" in run.stdout, run.stdout[-2000:]
+
+def saved_activation_bytes(run):
+    return [int(re.search(rf"^rank {rank}: saved_activation_bytes (\d+)$", run.stdout, re.MULTILINE)[1])
+            for rank in (0, 1)]
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe_and_zbv_no_more_than_1f1b(common_args, models, tmp_path_factory):
+    """GPipe runs every forward before any backward, so each rank holds all m = 4 micro-batches' activations;
+    1F1B's rank r at most p - r (2 on the first stage, 1 on the last). ZBV fills the bubble with postponed
+    weight-gradient halves, yet holds about as much as 1F1B's first stage on each rank (Qi et al.). Counted in
+    bytes by the saved-activations probe, not timed."""
+    held = {}
+    for schedule in ("gpipe", "1f1b", "zbv"):
+        args = [*common_args, "-m", models["llama"], "--max-steps", 2, "-b", BATCH, "-s", 128,
+                "--schedule", schedule]
+        run = run_chapter("08", args, tmp_path_factory.mktemp(schedule), nproc=2, script=INJECT,
+                          env=inject_env("08", "saved-activations"))
+        held[schedule] = saved_activation_bytes(run)
+    gpipe, one_f_one_b, zbv = held["gpipe"], held["1f1b"], held["zbv"]
+    assert one_f_one_b[0] < 0.6 * gpipe[0] and one_f_one_b[1] < 0.35 * gpipe[1], held
+    assert max(zbv) < 1.2 * max(one_f_one_b), held
+
+
+def test_zbv_idles_less_than_1f1b_on_the_same_layout(common_args, tmp_path_factory):
+    """The bubble as related-topics/profiling/timeline.py measures it from a profiled step (2 ranks, m = 4):
+    1F1B idles (p - 1) / (m + p - 1) = 20% of the pipeline at best, ZBV close to none. A model whose operators
+    outlast the script's overhead between them (measured on 2 cores: 20-26% against 8-11%)."""
+    model = write_tiny_model(tmp_path_factory.mktemp("llama-512"), hidden_size=512, intermediate_size=2048,
+                             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8)
+    idle = {}
+    for schedule in ("1f1b", "zbv"):
+        args = [*common_args, "-m", model, "--max-steps", 5, "-b", BATCH, "-s", 128, "--profile",
+                "--schedule", schedule]
+        run = run_chapter("08", args, tmp_path_factory.mktemp(schedule), nproc=2)
+        idle[schedule] = TIMELINE["bubble"](TIMELINE["load_bars"](run.exp_dir / "profile"))
+    mean = {schedule: sum(by_rank.values()) / len(by_rank) for schedule, by_rank in idle.items()}
+    assert mean["zbv"] < 0.6 * mean["1f1b"], idle
+
 
 def test_sigterm_then_relaunch_on_the_same_and_on_another_split_continues_the_uninterrupted_run(
     launch, common_args, models, tmp_path

@@ -68,3 +68,20 @@ def test_each_pipeline_stage_waits_for_the_other_one(timelines):
     assert min(starts(last_stage, "backward")) < min(starts(first_stage, "backward"))
     assert min(starts(first_stage, "communication", "recv")) < min(starts(first_stage, "backward"))
     # (a send's annotation ends when its sender waits for it, which may be later: the receives are the proof)
+
+
+def test_the_bubble_is_each_ranks_share_of_the_pipeline_without_forward_or_backward():
+    # the pipeline spans 0-40 ms; rank 1's overlapping bars count once, the optimizer's not at all
+    bars = {0: [("compute", "forward", 0, 10, "aten::mm"), ("compute", "backward", 30, 10, "aten::mm"),
+                ("compute", "optimizer", 40, 50, "aten::add_"), ("communication", "communication", 10, 20, "gloo:recv")],
+            1: [("compute", "forward", 10, 20, "aten::mm"), ("compute", "backward", 20, 10, "aten::mm")]}
+    assert TIMELINE["bubble"](bars) == {0: 0.5, 1: 0.5}
+    with pytest.raises(SystemExit, match="on a GPU only launch kernels"):
+        TIMELINE["bubble"]({**bars, 1: [*bars[1], ("gpu kernels", "gpu kernels", 10, 5, "gemm")]})
+
+
+def test_the_pipelines_second_rank_idles_before_its_first_forward(timelines):
+    idle = TIMELINE["bubble"](timelines["08"])
+    assert all(0 < share < 1 for share in idle.values()), idle
+    first_forward = {rank: min(starts(bars, "forward")) for rank, bars in timelines["08"].items()}
+    assert first_forward[1] > first_forward[0], first_forward

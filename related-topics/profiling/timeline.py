@@ -3,6 +3,7 @@ a row of compute (forward, backward, optimizer) and a row of communication (the 
 
     torchrun --nproc_per_node=2 ../../02-distributed-data-parallel/train_llm.py --profile --max-steps 5 -e ddp
     python timeline.py outputs/ddp/profile -o ddp-timeline.png --title "chapter 02, DDP"
+    python timeline.py outputs/pp/profile --bubble     # chapter 08: how long each rank idles in the pipeline
 
 The step drawn is the last one profiled (the launch's step 4). Time 0 is the earliest start of that step on any
 rank: one machine's ranks share a clock, so a rank that waits for another shows the wait (across nodes the
@@ -23,8 +24,12 @@ def main():
     parser.add_argument("profile_dir", type=Path, help="an experiment's profile/ folder (rank-N.json files)")
     parser.add_argument("-o", "--out", type=Path, default=Path("timeline.png"))
     parser.add_argument("--title", default=None)
+    parser.add_argument("--bubble", action="store_true", help="print each rank's idle share of the pipeline too")
     args = parser.parse_args()
     bars = load_bars(args.profile_dir)
+    if args.bubble:
+        for rank, idle in bubble(bars).items():
+            print(f"rank {rank}: idle {idle:.1%} of the pipeline (first forward to last backward, any rank)")
     draw(bars, args.out, args.title or str(args.profile_dir))
     print(f"wrote {args.out}")
 
@@ -102,6 +107,31 @@ def classify(step, events, origin):
             phase = "other"
         bars.append(("compute", phase, (event["ts"] - origin) / 1000, event["dur"] / 1000, event["name"]))
     return bars
+
+
+def bubble(bars):
+    """{rank: the share of the pipeline's span in which the rank runs no forward or backward operator}; the span
+    runs from the first forward on any rank to the last backward on any rank. It counts the CPU's operators: on
+    a GPU they are launches, so it refuses a GPU profile (read the kernels row of the picture there)."""
+    if any(bar[0] == "gpu kernels" for rank_bars in bars.values() for bar in rank_bars):
+        raise SystemExit("error: the bubble counts CPU operators, which on a GPU only launch kernels; read the "
+                         "picture's kernel rows instead")
+    busy = {}
+    for rank, rank_bars in bars.items():
+        spans = sorted((start, start + duration) for row, kind, start, duration, _ in rank_bars
+                       if row == "compute" and kind in ("forward", "backward"))
+        merged = []
+        for start, end in spans:
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        busy[rank] = merged
+    if not all(busy.values()):
+        raise SystemExit("error: a rank ran no forward or backward in the profiled step")
+    begin = min(spans[0][0] for spans in busy.values())
+    end = max(spans[-1][1] for spans in busy.values())
+    return {rank: 1 - sum(stop - start for start, stop in spans) / (end - begin) for rank, spans in busy.items()}
 
 
 def draw(bars, out, title):

@@ -609,9 +609,8 @@ def epoch_order(num_rows, seed, epoch):
 
 def default_compute_dtype(device):
     # Not emulated: a GPU older than Ampere has no bf16 tensor cores, and emulated bf16 is slower than fp32.
-    if device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
-        return "bfloat16"
-    return "float32"
+    native_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    return "bfloat16" if native_bf16 else "float32"
 
 
 def tiny_corpus(num_documents=4000, seed=1234):
@@ -685,11 +684,9 @@ def truncate_metrics(path, after_step):
 
 # Dense bf16 tensor-core peaks from the datasheets (without sparsity). The first name found in the GPU's name
 # wins, so the longer names come first ("GH200" also contains "H200", "GB200" "B200").
-PEAK_BF16_FLOPS = [
-    ("GH200", 989e12), ("GB200", 2500e12), ("H200 NVL", 835e12), ("H200", 989e12), ("H100 NVL", 835e12),
-    ("H100 PCIe", 756e12), ("H100", 989e12), ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12),
-    ("A10G", 70e12),
-]
+PEAK_BF16_FLOPS = [("GH200", 989e12), ("GB200", 2500e12), ("H200 NVL", 835e12), ("H200", 989e12),
+                   ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("B200", 2250e12),
+                   ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12)]
 
 
 def peak_flops_per_second(device):
@@ -729,15 +726,17 @@ def check_args(args):
     """What argparse cannot check alone: the launch, flags that need each other, the torch version."""
     if "LOCAL_RANK" not in os.environ:
         sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
-    warn_if_torch_is_older_than_tested()
+    if torch.__version__ < TESTED_TORCH[0] and os.environ.get("RANK", "0") == "0":  # (rank 0 alone: one line)
+        print(f"warning: torch {torch.__version__} is older than the releases these scripts are tested on "
+              f"({TESTED_TORCH[0]} to {TESTED_TORCH[1]}); if a step fails, install torch {TESTED_TORCH[0]} or "
+              "newer", file=sys.stderr)
     if args.from_pretrained and args.model_name is None:
         sys.exit("error: --from-pretrained needs -m/--model-name (the default tiny model has no weights)")
     check_save_dir(args.save_dir, args.experiment_name)
 
 
 def check_save_dir(save_dir, experiment_name):
-    """The experiment's folder, or the nearest above it that exists, must take a file (a nameless one, gone when
-    closed): a run that fails its checks leaves nothing behind (make_experiment_dir creates the folder)."""
+    """The experiment's folder (or the nearest existing one above it) must take a file, tried before any write."""
     existing = os.path.abspath(os.path.join(save_dir, experiment_name))
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -785,14 +784,6 @@ def path_or_hub_id(name):
 TESTED_TORCH = ("2.11", "2.15")
 
 
-def warn_if_torch_is_older_than_tested():
-    # Rank 0 alone: under torchrun every rank would print the same line.
-    if torch.__version__ < TESTED_TORCH[0] and os.environ.get("RANK", "0") == "0":
-        print(f"warning: torch {torch.__version__} is older than the releases these scripts are tested on "
-              f"({TESTED_TORCH[0]} to {TESTED_TORCH[1]}); if a step fails, install torch {TESTED_TORCH[0]} or "
-              "newer", file=sys.stderr)
-
-
 def make_experiment_dir(save_dir, experiment_name):
     exp_dir = os.path.join(save_dir, experiment_name)
     os.makedirs(exp_dir, exist_ok=True)
@@ -816,8 +807,7 @@ def exit_on_build_error(args):
 
 
 def one_line(error):
-    """The error's message and its cause's (datasets gives the reason as the cause) in one line of at most 300
-    characters: some libraries spread a message over several."""
+    """The error's message and its cause's (datasets' reason) in one line of at most 300 characters."""
     message = f"{error}: {error.__cause__}" if error.__cause__ else str(error)
     return textwrap.shorten(message, 300) or type(error).__name__
 
@@ -1045,14 +1035,11 @@ def start_checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format):
     return partial_dir
 
 
-def complete_checkpoint_folder(partial_dir):
-    """Rank 0 alone, once every rank has written its part: step-N.partial -> step-N (atomic), newest 2 kept."""
+def complete_checkpoint_folder(partial_dir, keep=2):
+    """Rank 0 alone, once every rank has written its part: step-N.partial -> step-N (atomic); then it keeps the
+    newest `keep` complete checkpoints (the fallback if the newest is damaged) and *.damaged ones."""
     os.rename(partial_dir, partial_dir.removesuffix(".partial"))
-    remove_old_checkpoints(os.path.dirname(partial_dir))
-
-
-def remove_old_checkpoints(checkpoints_dir, keep=2):
-    """Keep the newest `keep` complete checkpoints (the fallback if the newest is damaged) and *.damaged ones."""
+    checkpoints_dir = os.path.dirname(partial_dir)
     stale = [name for name in os.listdir(checkpoints_dir) if name.endswith(".partial")]
     for name in complete_checkpoints(checkpoints_dir)[:-keep] + stale:
         shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)

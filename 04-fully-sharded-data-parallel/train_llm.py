@@ -966,12 +966,10 @@ def stop_all_ranks_if_one_fails():
 def rank_0_first():
     """Every rank must enter this (stop_all_ranks_if_one_fails inside): rank 0 runs the block first, the other
     ranks once it has succeeded there (rank 0 fills a cache that they then read)."""
-    if dist.get_rank() == 0:
-        with stop_all_ranks_if_one_fails():
+    with stop_all_ranks_if_one_fails():
+        if dist.get_rank() == 0:
             yield
-    else:
-        with stop_all_ranks_if_one_fails():
-            pass
+    if dist.get_rank() != 0:
         yield
 
 

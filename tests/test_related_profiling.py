@@ -80,8 +80,8 @@ def test_the_bubble_is_each_ranks_share_of_the_pipeline_without_forward_or_backw
         TIMELINE["bubble"]({**bars, 1: [*bars[1], ("gpu kernels", "gpu kernels", 10, 5, "gemm")]})
 
 
-def test_the_pipelines_second_rank_idles_before_its_first_forward(timelines):
+def test_every_pipeline_rank_idles_for_part_of_the_step(timelines):
+    # 2 stages, 4 micro-batches: the bubble formula's (p - 1) / (m + p - 1) = 20%, plus the gaps between the
+    # tiny model's operators (measured here: 44% and 57%), never the whole span
     idle = TIMELINE["bubble"](timelines["08"])
-    assert all(0 < share < 1 for share in idle.values()), idle
-    first_forward = {rank: min(starts(bars, "forward")) for rank, bars in timelines["08"].items()}
-    assert first_forward[1] > first_forward[0], first_forward
+    assert all(0.1 < share < 0.9 for share in idle.values()), idle

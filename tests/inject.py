@@ -48,9 +48,9 @@ INJECT=all-to-all-bytes  at exit, print "rank r: all_to_all_bytes {json}": the b
                       a validation pass under "validation after k"
 INJECT=all-gathers    at exit, print "rank r: all_gathers {json}": the all-gathers of tensors that torch runs for
                       this rank (FSDP's weights), by optimizer step (1 = the first): [group size, bytes] each
-INJECT=saved-activations  at exit, print "rank r: saved_activation_bytes N": the most bytes that autograd held for
-                      backward at once in training (tensors saved by the forward, not the weights): what a
-                      pipeline schedule's order of forwards and backwards costs in activation memory
+INJECT=saved-activations  at exit, print "rank r: saved_activation_bytes N": the most bytes that autograd
+                      held for backward at once in training (tensors saved by the forward, not the weights):
+                      what a pipeline schedule's order of forwards and backwards costs in activation memory
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 

@@ -73,7 +73,8 @@ def test_each_pipeline_stage_waits_for_the_other_one(timelines):
 def test_the_bubble_is_each_ranks_share_of_the_pipeline_without_forward_or_backward():
     # the pipeline spans 0-40 ms; rank 1's overlapping bars count once, the optimizer's not at all
     bars = {0: [("compute", "forward", 0, 10, "aten::mm"), ("compute", "backward", 30, 10, "aten::mm"),
-                ("compute", "optimizer", 40, 50, "aten::add_"), ("communication", "communication", 10, 20, "gloo:recv")],
+                ("compute", "optimizer", 40, 50, "aten::add_"),
+                ("communication", "communication", 10, 20, "gloo:recv")],
             1: [("compute", "forward", 10, 20, "aten::mm"), ("compute", "backward", 20, 10, "aten::mm")]}
     assert TIMELINE["bubble"](bars) == {0: 0.5, 1: 0.5}
     with pytest.raises(SystemExit, match="on a GPU only launch kernels"):

@@ -563,7 +563,6 @@ def load_and_pack(args, tokenizer):
         tokenize_and_pack, batched=True, batch_size=1000, remove_columns=raw.column_names,
         desc=f"tokenize and pack into rows of {row_length}",
     ).with_format("numpy") for raw in splits]
-    check_some_text(packed[0], splits[0], args.dataset_name)
     return packed
 
 
@@ -663,8 +662,7 @@ DATA_FILE_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parqu
 
 
 def load_raw_dataset(name, subset):
-    """A Hub dataset's train and validation splits, or a local .txt/.json/.jsonl/.parquet/.csv file or folder
-    (a train split only, but for a folder's validation files)."""
+    """A Hub dataset's or a local folder's train and validation splits (if any), or a local file's rows."""
     extension = os.path.splitext(name)[1]
     if os.path.isfile(name) and extension not in DATA_FILE_BUILDERS:
         sys.exit(f"error: cannot read {name!r}: use a {', '.join(DATA_FILE_BUILDERS)} file or a folder of them")
@@ -706,16 +704,14 @@ def start_wandb(args, exp_dir):
 
 def truncate_metrics(path, after_step):
     """After a resume, drop the lines that the interrupted run logged past its last checkpoint."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after_step]
-    with open(path, "w") as f:
-        f.writelines(kept)
+    if os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line)["step"] <= after_step]
+        with open(path, "w") as f:
+            f.writelines(kept)
 
 
-# Dense bf16 tensor-core peaks from the datasheets (without sparsity). The first name found in the GPU's name
-# wins, so the longer names come first ("GH200" also contains "H200", "GB200" "B200").
+# Dense bf16 peaks from the datasheets (no sparsity). The first key in the GPU's name wins: GH200 before H200.
 PEAK_BF16_FLOPS = [("GH200", 989e12), ("GB200", 2500e12), ("H200 NVL", 835e12), ("H200", 989e12),
                    ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("B200", 2250e12),
                    ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12)]
@@ -723,9 +719,7 @@ PEAK_BF16_FLOPS = [("GH200", 989e12), ("GB200", 2500e12), ("H200 NVL", 835e12), 
 
 def peak_flops_per_second(device):
     """The GPU's dense bf16 peak, or None (CPU, or a GPU not in the table: no MFU rather than a guess)."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
 
 
@@ -733,8 +727,7 @@ def peak_memory_gb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     # On CPU the process's peak resident memory is the honest number (ru_maxrss: KiB on Linux, bytes on macOS).
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**30 if sys.platform == "darwin" else 2**20)
 
 
 def log_metrics(path, metrics, progress):
@@ -758,10 +751,10 @@ def check_args(args):
     """What argparse cannot check alone: the launch, flags that need each other, the torch version."""
     if "LOCAL_RANK" not in os.environ:
         sys.exit("error: launch this script with torchrun, e.g. torchrun --nproc_per_node=2 train_llm.py")
-    if torch.__version__ < TESTED_TORCH[0] and os.environ.get("RANK", "0") == "0":  # (rank 0 alone: one line)
+    oldest, newest = TESTED_TORCH
+    if torch.__version__ < oldest and os.environ.get("RANK", "0") == "0":  # (rank 0 alone: one line)
         print(f"warning: torch {torch.__version__} is older than the releases these scripts are tested on "
-              f"({TESTED_TORCH[0]} to {TESTED_TORCH[1]}); if a step fails, install torch {TESTED_TORCH[0]} or "
-              "newer", file=sys.stderr)
+              f"({oldest} to {newest}); if a step fails, install torch {oldest} or newer", file=sys.stderr)
     if args.from_pretrained and args.model_name is None:
         sys.exit("error: --from-pretrained needs -m/--model-name (the default tiny model has no weights)")
     check_save_dir(args.save_dir, args.experiment_name)
@@ -772,33 +765,23 @@ def check_save_dir(save_dir, experiment_name):
     existing = os.path.abspath(os.path.join(save_dir, experiment_name))
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
-    try:
-        tempfile.TemporaryFile(dir=existing).close()
-    except OSError as error:
-        sys.exit(f"error: cannot write to --save-dir {save_dir!r} ({error.strerror}); pass a writable folder")
+    with exit_on_error(f"cannot write to --save-dir {save_dir!r}", "pass a writable folder", (OSError,)):
+        tempfile.TemporaryFile(dir=existing, prefix="write-test-").close()  # (the name in the error line)
 
 
-def positive_int(text):
-    return checked_number(text, int, lambda value: value >= 1, "a positive integer")
+def checked_number(convert, is_valid, what):
+    """An argparse type: the number in the text, if valid (NaN is valid nowhere: every comparison is False)."""
+    def number(text):
+        if not is_valid(value := convert(text)):
+            raise argparse.ArgumentTypeError(f"{text} is not {what}")
+        return value
+    return number
 
 
-def non_negative_int(text):
-    return checked_number(text, int, lambda value: value >= 0, "zero or a positive integer")
-
-
-def fraction(text):
-    return checked_number(text, float, lambda value: 0 <= value < 1, "a fraction from 0 to below 1")
-
-
-def positive_float(text):
-    return checked_number(text, float, lambda value: 0 < value < math.inf, "a positive number")
-
-
-def checked_number(text, convert, is_valid, what):
-    value = convert(text)
-    if not is_valid(value):  # (NaN is valid nowhere: every comparison with it is False)
-        raise argparse.ArgumentTypeError(f"{text} is not {what}")
-    return value
+positive_int = checked_number(int, lambda value: value >= 1, "a positive integer")
+non_negative_int = checked_number(int, lambda value: value >= 0, "zero or a positive integer")
+fraction = checked_number(float, lambda value: 0 <= value < 1, "a fraction from 0 to below 1")
+positive_float = checked_number(float, lambda value: 0 < value < math.inf, "a positive number")
 
 
 def path_or_hub_id(name):
@@ -832,9 +815,8 @@ def exit_on_error(what, fix, errors=(Exception,)):
 
 
 def exit_on_build_error(args):
-    fix = ("pass a model whose files are there (its weights, with --from-pretrained) and an "
-           "--attn-implementation it supports")
-    return exit_on_error(f"cannot build model {args.model_name or 'tiny-llama'!r}", fix,
+    return exit_on_error(f"cannot build model {args.model_name or 'tiny-llama'!r}", "pass a model whose files are "
+                         "there (its weights, with --from-pretrained) and an --attn-implementation it supports",
                          (ImportError, ValueError, OSError))
 
 
@@ -852,19 +834,13 @@ def check_model_fits_tokenizer(args, config, tokenizer):
                  f"{vocab_size} embeddings; pass a model whose tokenizer and config.json belong together")
     max_positions = getattr(config, "max_position_embeddings", None)
     if max_positions is not None and args.seq_length > max_positions:
-        model = args.model_name or "the tiny model"
-        sys.exit(f"error: -s/--seq-length {args.seq_length} is longer than {model}'s {max_positions} positions; "
-                 f"pass -s {max_positions} or less")
+        sys.exit(f"error: -s/--seq-length {args.seq_length} is longer than the {max_positions} positions of "
+                 f"{args.model_name or 'the tiny model'}; pass -s {max_positions} or less")
 
 
 def check_text_column(raw, name):
     if "text" not in raw.column_names:
         sys.exit(f"error: dataset {name!r} has no 'text' column (it has {raw.column_names})")
-
-
-def check_some_text(packed, raw, name):
-    if len(packed) == 0 and not any(raw["text"]):
-        sys.exit(f"error: dataset {name!r} has no text: its 'text' column is empty in all rows")
 
 
 def check_one_batch_fits(num_rows, global_batch_size, args):
@@ -910,9 +886,8 @@ def start_profiler(exp_dir, start_step, total_steps):
     trace per rank in <experiment>/profile/ (open it in https://ui.perfetto.dev): ops, kernels, collectives."""
     rank, steps = int(os.environ.get("RANK", "0")), f"steps {start_step + 3}-{start_step + 4}"
     if start_step + 4 > total_steps:
-        print(f"warning: --profile records {steps} of this launch, which ends at step {total_steps}: nothing "
-              "is profiled; launch with 4 or more steps to go")
-        return None
+        return print(f"warning: --profile records {steps} of this launch, which ends at step {total_steps}: "
+                     "nothing is profiled; launch with 4 or more steps to go")
 
     def write_trace(profiler):
         # (called after the 4th step, or by stop() when a signal ended the launch before: then nothing is whole)
@@ -1028,16 +1003,14 @@ def damaged_file_error(error):
     if isinstance(failures, dict) and failures:
         error = next(iter(failures.values()))[0]
     damage = (OSError, EOFError, ValueError, RuntimeError)
-    if not isinstance(error, damage) or isinstance(error, torch.OutOfMemoryError):
-        return None
-    return textwrap.shorten(f"{type(error).__name__}: {error}", 200).removesuffix(":")
+    if isinstance(error, damage) and not isinstance(error, torch.OutOfMemoryError):
+        return textwrap.shorten(f"{type(error).__name__}: {error}", 200).removesuffix(":")
 
 
 def complete_checkpoints(checkpoints_dir):
     """The names of the complete checkpoints (step-N, not step-N.partial or step-N.damaged), oldest first."""
-    if not os.path.isdir(checkpoints_dir):
-        return []
-    return sorted(name for name in os.listdir(checkpoints_dir) if name.startswith("step-") and "." not in name)
+    names = os.listdir(checkpoints_dir) if os.path.isdir(checkpoints_dir) else []
+    return sorted(name for name in names if name.startswith("step-") and "." not in name)
 
 
 @contextmanager
@@ -1055,7 +1028,6 @@ def checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format):
 def start_checkpoint_folder(exp_dir, state, param_shapes, checkpoint_format):
     """Every rank must call this (from chapter 02 on, a collective inside): rank 0 makes step-N.partial."""
     partial_dir = os.path.join(exp_dir, "checkpoints", f"step-{state.step:08d}.partial")
-    # Every rank waits for rank 0 (once one exits, torchrun ends the job); one rank's failure stops all.
     with stop_all_ranks_if_one_fails():
         if dist.get_rank() == 0:
             shutil.rmtree(partial_dir, ignore_errors=True)
@@ -1112,14 +1084,12 @@ def check_resume_step(step, total_steps, checkpoint_dir):
     """A relaunch must have steps left to train, else it would end with status 0 having done nothing. A run that
     saved its last step but was stopped before its export (no hf/ folder yet) resumes just to export."""
     hf_dir = os.path.join(os.path.dirname(os.path.dirname(checkpoint_dir)), "hf")  # <exp>/checkpoints/step-N
-    if step == total_steps and os.path.isdir(hf_dir):
-        problem = f"is at step {step}, the last of this run, which has finished (its model is in {hf_dir})"
-    elif step > total_steps:
-        problem = f"is at step {step}, past the last step of this run ({total_steps})"
-    else:
-        return
-    sys.exit(f"error: checkpoint {checkpoint_dir} {problem}; pass a larger --max-steps or --num-epochs to train "
-             "on, or a new -e/--experiment-name for a new run")
+    finished = step == total_steps and os.path.isdir(hf_dir)
+    if finished or step > total_steps:
+        problem = (f"the last of this run, which has finished (its model is in {hf_dir})" if finished else
+                   f"past the last step of this run ({total_steps})")
+        sys.exit(f"error: checkpoint {checkpoint_dir} is at step {step}, {problem}; pass a larger --max-steps or "
+                 "--num-epochs to train on, or a new -e/--experiment-name for a new run")
 
 
 # --- The exit: one line for every error we can name, and no teardown that can hang or crash ---

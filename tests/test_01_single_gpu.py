@@ -197,7 +197,7 @@ BAD_INPUTS = {
     "binary-data-file": (lambda tmp: ["-d", write(tmp / "data.txt", bytes(range(128, 256)))],
                          "data.txt' (An error occurred while generating the dataset: 'utf-8' codec can't decode"),
     "no-text-in-any-row": (lambda tmp: ["-d", write(tmp / "data.jsonl", b'{"text": ""}\n' * 50)],
-                           "has no text: its 'text' column is empty in all rows"),
+                           "the dataset gives 0 training sequences"),
     # ByT5's 259 tokens into 200 embeddings: a tokenizer that does not belong to the model
     "tokenizer-beyond-the-embedding": (lambda tmp: ["-m", write_tiny_model(tmp / "small-vocab", vocab_size=200)],
                                        "has 259 tokens, more than the model's 200 embeddings"),

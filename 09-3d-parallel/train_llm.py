@@ -12,6 +12,7 @@ import argparse
 import copy
 import ctypes
 import errno
+import functools
 import gc
 import json
 import math
@@ -62,13 +63,7 @@ def main():
 
     # torchrun sets these for each process. LOCAL_RANK, not rank % device_count, picks this node's GPU.
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        # float32 matmuls (--dtype float32, and any outside autocast) run on TF32 tensor cores: several times
-        # faster, with a 10-bit mantissa that training tolerates. Weights and optimizer state stay float32.
-        torch.set_float32_matmul_precision("high")
+    device = set_up_device(local_rank=int(os.environ["LOCAL_RANK"]))
     # nccl moves CUDA tensors between GPUs, gloo CPU tensors; device_id binds nccl to our GPU at once.
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
@@ -96,9 +91,8 @@ def main():
     tensor_parallelize(model, mesh["tp"])
     param_shapes = {name: list(p.shape) for name, p in model.named_parameters()}
     flops_per_token = training_flops_per_token(model, config, args.seq_length)
-    num_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"model: {num_params / 1e6:.1f}M parameters, compute in {compute_dtype}")
+        print(f"model: {model.num_parameters() / 1e6:.1f}M parameters, compute in {compute_dtype}")
     # The ranks at pipeline position p run stages p, p + pp, ...: one stage each, or with the interleaved
     # schedule several stages spread along the pipeline, so a micro-batch passes every position once per round.
     pp_rank = mesh.get_local_rank("pp")
@@ -138,30 +132,20 @@ def main():
         print(f"global batch: {global_batch_size} sequences ({dp_size} dp groups x -b {args.batch_size} x "
               f"{args.grad_accum_steps}), {args.num_microbatches * args.grad_accum_steps} micro-batches in the "
               f"schedule; {len(val_data) if val_data is not None else 'no'} validation rows")
-    steps_per_epoch = len(data) // global_batch_size
     # --max-steps, when given, wins over --num-epochs (as in Hugging Face's Trainer): the data order repeats.
-    total_steps = args.max_steps or steps_per_epoch * args.num_epochs
+    total_steps = args.max_steps or len(data) // global_batch_size * args.num_epochs
     warn_if_mostly_warmup(args.warmup_steps, total_steps)
 
-    optimizer = torch.optim.AdamW(
-        [p for stage in stages for p in stage.parameters()], lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-        fused=device.type == "cuda",
-    )
+    optimizer = torch.optim.AdamW([p for stage in stages for p in stage.parameters()], lr=args.lr,
+                                  betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda")
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, total_steps)
-    )
+        optimizer, lambda step: warmup_then_cosine(step, args.warmup_steps, total_steps))
 
-    # The flags a relaunch must not change. -b, --grad-accum-steps and the number of ranks may change, not the
-    # global batch they make (it sets what a step is, and which rows are held out): kept as --global-batch-size.
-    fixed_flags = {"--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
-                   "--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
-                   "--warmup-steps": args.warmup_steps, "--val-fraction": args.val_fraction,
-                   "--global-batch-size": global_batch_size}
+    fixed_flags = flags_a_relaunch_must_keep(args, global_batch_size)
     exp_dir = make_experiment_dir(args.save_dir, args.experiment_name)
     checkpoint_dir, state = load_newest_checkpoint(
         exp_dir, lambda folder: load_checkpoint(folder, stages, optimizer, lr_schedule, param_shapes, fixed_flags),
-        fresh_state=TrainState(fixed_flags),
-    )
+        fresh_state=TrainState(fixed_flags))
     if checkpoint_dir is not None:
         check_resume_step(state.step, total_steps, checkpoint_dir)
         print(f"rank {rank}: resumed from {checkpoint_dir} at step {state.step}")
@@ -205,26 +189,19 @@ def main():
     peak_flops = peak_flops_per_second(device)
     if rank == 0 and peak_flops is not None:
         print(f"MFU is relative to {peak_flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of this GPU")
-    order = epoch_order(len(data), args.seed, state.epoch)
     eval_freq = args.eval_freq or args.ckpt_freq
     stop = False
     # Only the last stage computes losses; the checkpoint's window is theirs.
     running_loss = torch.tensor(state.window_loss_sum if has_last_stage else 0.0, device=device)
-    show_progress = rank == 0 and sys.stderr.isatty()
-    progress = tqdm(total=total_steps, initial=state.step, desc="training", disable=not show_progress)
+    progress = tqdm(total=total_steps, initial=state.step, desc="training",
+                    disable=rank != 0 or not sys.stderr.isatty())
     last_log_time, last_log_step = time.perf_counter(), state.step
     profiler = start_profiler(exp_dir, state.step, total_steps) if args.profile else None
     for stage in stages:
         stage.train()
 
     while state.step < total_steps:
-        if state.samples_in_epoch + global_batch_size > len(data):
-            state.epoch += 1
-            state.samples_in_epoch = 0
-            order = epoch_order(len(data), args.seed, state.epoch)
-        batch_indices = order[state.samples_in_epoch : state.samples_in_epoch + global_batch_size]
-        state.samples_in_epoch += global_batch_size
-        rows = data[batch_indices]
+        rows = next_global_batch(data, state, global_batch_size, args.seed)
         # The step's loss is the mean over every label token of the global batch (as in chapter 08); every rank
         # reads the whole global batch's rows, so it counts them all without an all-reduce. x dp_size: FSDP
         # averages the dp groups' gradients, and the log line their losses.
@@ -232,7 +209,6 @@ def main():
         # NOTE: slice by the dp rank, not the rank: all ranks of a TP group must see the same rows (else TP
         # would mix the tokens of different sequences). dp groups at -b b see what one process sees at -b dp*b.
         rows = {key: value[dp_rank * rows_per_rank : (dp_rank + 1) * rows_per_rank] for key, value in rows.items()}
-        # Each row holds seq_length + 1 tokens: the model reads the first seq_length and predicts the last.
         input_ids, labels = inputs_and_labels(rows, device)
 
         # One call runs forward and backward of every micro-batch, as in chapter 08. NOTE: the logits stay split
@@ -270,17 +246,11 @@ def main():
         if state.step % args.log_freq == 0 or state.step == total_steps or evaluate_now:
             # NOTE: one all-reduce per log step sums the ranks' losses (only the last stage's dp x tp ranks have
             # any) and stop votes: a signal may reach one rank only, and all must stop after the same log step.
-            stop_vote = torch.tensor(1.0 if stop_signals else 0.0, device=device)
-            totals = torch.stack([running_loss, stop_vote])
-            dist.all_reduce(totals)
-            loss_sum, stop_votes = totals.tolist()
+            (loss_sum,), stop = all_reduce_sums_and_stop_votes([running_loss], stop_signals)
             mean_loss = loss_sum / (dp_size * args.tp) / state.window_steps
-            stop = stop_votes > 0
-            elapsed = time.perf_counter() - last_log_time
-            tokens_per_s = tokens_per_step * (state.step - last_log_step) / elapsed
-            metrics = {"step": state.step, "epoch": state.epoch, "loss": mean_loss,
-                       "grad_norm": grad_norm.item(), "lr": step_lr, "tokens_per_s": tokens_per_s,
-                       "peak_memory_gb": peak_memory_gb(device)}
+            tokens_per_s = tokens_per_step * (state.step - last_log_step) / (time.perf_counter() - last_log_time)
+            metrics = {"step": state.step, "epoch": state.epoch, "loss": mean_loss, "grad_norm": grad_norm.item(),
+                       "lr": step_lr, "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(device)}
             if evaluate_now:
                 metrics["val_loss"] = evaluate(schedule, stages, loss_divisor, val_data, args, device, mesh,
                                            has_first_stage, has_last_stage)
@@ -696,6 +666,16 @@ def evaluate(schedule, stages, loss_divisor, val_data, args, device, mesh, has_f
     return loss_sum.item() / mesh["tp"].size() / count_label_tokens(val_data[:])
 
 
+def all_reduce_sums_and_stop_votes(running_sums, stop_signals):
+    """Every rank must call this (an all-reduce): each running sum (losses) summed over the ranks, and whether
+    any rank has a stop signal (a signal may reach one rank only, and all must stop after the same step)."""
+    stop_vote = torch.tensor(1.0 if stop_signals else 0.0, device=running_sums[0].device)
+    totals = torch.stack([*running_sums, stop_vote])
+    dist.all_reduce(totals)
+    *sums, stop_votes = totals.tolist()
+    return sums, stop_votes > 0
+
+
 def get_parser():
     parser = OneLineArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-m", "--model-name", type=path_or_hub_id, default=None,
@@ -751,6 +731,17 @@ def get_parser():
     parser.add_argument("--stages-per-rank", type=positive_int, default=None,
                         help="stages each rank runs (default: 2 with interleaved-1f1b, else 1)")
     return parser
+
+
+def set_up_device(local_rank):
+    """This process's GPU, the local_rank-th of its node (else the CPU), made the current one."""
+    device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        # float32 matmuls (--dtype float32, and any outside autocast) run on TF32 tensor cores: several times
+        # faster, with a 10-bit mantissa that training tolerates. Weights and optimizer state stay float32.
+        torch.set_float32_matmul_precision("high")
+    return device
 
 
 def load_config_and_tokenizer(args):
@@ -862,6 +853,15 @@ def warmup_then_cosine(step, warmup_steps, total_steps, final_fraction=0.1):
     return final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def flags_a_relaunch_must_keep(args, global_batch_size):
+    """By flag name, what a relaunch must not change. -b, --grad-accum-steps and the number of ranks may change,
+    not the global batch they make (it sets what a step is, and which rows are held out)."""
+    return {"--dataset-name": args.dataset_name, "--dataset-subset": args.dataset_subset,
+            "--seq-length": args.seq_length, "--seed": args.seed, "--lr": args.lr,
+            "--warmup-steps": args.warmup_steps, "--val-fraction": args.val_fraction,
+            "--global-batch-size": global_batch_size}
+
+
 @dataclass
 class TrainState:
     """What state.json keeps besides the tensors: the data position (an epoch's order is a function of --seed
@@ -874,6 +874,17 @@ class TrainState:
     window_steps: int = 0
 
 
+def next_global_batch(data, state, global_batch_size, seed):
+    """The rows of the next step, in the epoch's order; the next epoch once this one has too few rows left."""
+    if state.samples_in_epoch + global_batch_size > len(data):
+        state.epoch += 1
+        state.samples_in_epoch = 0
+    start = state.samples_in_epoch
+    state.samples_in_epoch += global_batch_size
+    return data[epoch_order(len(data), seed, state.epoch)[start : start + global_batch_size]]
+
+
+@functools.lru_cache(maxsize=1)  # (one permutation of all rows an epoch, not one a step)
 def epoch_order(num_rows, seed, epoch):
     return np.random.default_rng([seed, epoch]).permutation(num_rows)
 

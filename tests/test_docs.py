@@ -2,7 +2,8 @@
 
 Commands: each line of a ```bash block that starts with `python ` or `torchrun ` (after optional `VAR=value`
 prefixes; in `a && b`, each part counts as a line) runs from its README's folder, offline, with
-` --max-steps 2 --save-dir <tmp>` appended (a command's own --max-steps of at most 5 kept), and must exit 0;
+` --max-steps 2 --save-dir <tmp>` appended if its script takes them (a command's own --max-steps of at most 5
+kept), and must exit 0;
 every `warning:` line it prints must stand in its README. A block whose last non-blank line before the fence
 is `<!-- needs: <reason> -->` is skipped with that reason (GPUs, the Hub, a cluster). The test command
 (`python -m pytest ...`) is the one exception: running the suite inside the suite would recurse, so instead it
@@ -149,6 +150,8 @@ def test_readme_command_runs(readme, command, needs, tmp_path):
     own_steps = re.search(r"--max-steps[ =](\d+)", command)
     steps = int(own_steps[1]) if own_steps and int(own_steps[1]) <= 5 else 2
     full_command = f"{command} --max-steps {steps} --save-dir {tmp_path / 'outputs'}"
+    if not takes_training_flags(readme, command):
+        full_command = command
     # (through bash, as a reader's shell runs it: `&&`, `VAR=value` prefixes)
     process = launching.start(["bash", "-c", full_command], readme.parent, env)
     stdout, stderr, how = launching.wait(process, 300)
@@ -211,6 +214,14 @@ def test_commands_that_train_different_runs_name_different_experiments(readme):
 
 # The flags that say where a run writes and how long it runs, not what it trains.
 NOT_COMPARED = {"experiment_name", "save_dir", "max_steps"}
+
+
+def takes_training_flags(readme, command):
+    """Whether the command's script takes --max-steps and --save-dir (a training script; chapter 12's planner
+    does not train)."""
+    script = next((word for word in shlex.split(command) if word.endswith(".py")), None)
+    path = readme.parent / script if script else None
+    return path is None or not path.is_file() or "--max-steps" in path.read_text()
 
 
 def as_launch(readme, command):

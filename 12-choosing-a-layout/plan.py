@@ -1,0 +1,868 @@
+"""Choose a layout: for a model, a sequence length and a cluster, which layouts of chapters 02-11 fit, how fast
+each should be, and the command that runs it.
+
+    python plan.py                                             # Llama 3.1 405B on 8 nodes x 8 H100, -s 8192
+    python plan.py meta-llama/Llama-3.1-8B --nodes 1 --gpu h200 -s 4096
+    python plan.py MODEL --tp 8 --pp 8 --schedule 1f1b         # pin a layout instead of searching
+    python plan.py MODEL --tp 8 --pp 8 --dry-run               # and build it with the chapter's own code
+    python plan.py MODEL --json                                # every layout, as JSON
+
+For every layout (data parallel by DDP, FSDP or HSDP; tensor, pipeline, context and expert parallel;
+activation checkpointing; CPU offload; each pipeline schedule) it counts, per rank: the fp32 weights, gradients
+and AdamW state (exactly: the dry run checks them against the chapter's built model), the gathered weights, the
+activations and the step's peak (estimates, see the README); the bytes of each collective by link (inside a node
+or across nodes); the FLOPs; the pipeline bubble; and a step time and MFU from the GPU's peak FLOP/s and the
+links' bandwidths, with the term that dominates. A layout that cannot work is refused with the reason the
+chapter's own checks give. Needs torch and transformers; --dry-run and the refusals import the chapters' scripts.
+"""
+import argparse
+import contextlib
+import functools
+import importlib.util
+import io
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import transformers
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CHAPTER_FOLDERS = {name[:2]: name for name in os.listdir(ROOT) if re.match(r"\d\d-", name)}
+GB = 1e9
+
+# One GPU's memory (GB), dense bf16 peak (FLOP/s) and bandwidth per GPU and direction (GB/s) inside a node
+# (NVLink), across nodes (one InfiniBand NIC per GPU) and to host memory (PCIe x16). Sources: NVIDIA's A100,
+# H100 and H200 SXM datasheets (NVLink 600 / 900 GB/s both directions together; peaks without sparsity);
+# ConnectX-6 HDR 200 Gb/s and ConnectX-7 NDR 400 Gb/s NICs, one per GPU as in DGX A100 / DGX H100 nodes;
+# PCIe 4.0 / 5.0 x16, 32 / 64 GB/s a direction, of which copies reach about 80%.
+GPUS = {
+    "a100": dict(memory_gb=80, peak_flops=312e12, intra_node_gbps=300, inter_node_gbps=25, pcie_gbps=25),
+    "h100": dict(memory_gb=80, peak_flops=989e12, intra_node_gbps=450, inter_node_gbps=50, pcie_gbps=50),
+    "h200": dict(memory_gb=141, peak_flops=989e12, intra_node_gbps=450, inter_node_gbps=50, pcie_gbps=50),
+}
+SCHEDULES = {"08": ["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"],
+             "09": ["gpipe", "1f1b", "interleaved-1f1b"]}
+SEVERAL_STAGES_PER_RANK = {"interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
+
+
+def main():
+    args = get_parser().parse_args()
+    config = load_config(args.model)
+    shapes = parameter_shapes(config)
+    layouts = [pinned_layout(args)] if pinned(args) else candidate_layouts(config, shapes, args)
+    plans = [plan_layout(layout, config, shapes, args) for layout in layouts]
+    plans.sort(key=lambda plan: (not plan["fits"], plan["step_time_s"] or math.inf,
+                                 plan["peak_bytes_per_rank"] or math.inf))
+    if args.dry_run and not pinned(args):
+        sys.exit("error: --dry-run builds one layout: pin it with its flags (--tp, --pp, --cp, --ep, ...)")
+    if args.json:
+        print(json.dumps(plans, indent=1))
+    else:
+        print_plans(plans, config, shapes, args)
+    if args.dry_run:
+        # (a layout that does not fit in memory still builds: the dry run checks what each rank would hold)
+        sys.exit(1 if dry_run(layouts[0], config, plans[0], args) else 0)
+    if pinned(args) and not plans[0]["fits"]:
+        sys.exit(1)
+
+
+def get_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?", default=os.path.relpath(os.path.join(ROOT, CHAPTER_FOLDERS["05"],
+                                                                                 "llama-3.1-405b")),
+                        help="Hugging Face id, local folder or config.json (default: Llama 3.1 405B's config)")
+    cluster = parser.add_argument_group("the cluster")
+    cluster.add_argument("--gpu", choices=GPUS, default="h100", help="memory, peak and bandwidths of a preset")
+    cluster.add_argument("--nodes", type=int, default=8)
+    cluster.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (one per GPU)")
+    cluster.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU (default: the preset's)")
+    cluster.add_argument("--host-memory-gb", type=float, default=2048.0, help="CPU memory of one node")
+    cluster.add_argument("--headroom-gb", type=float, default=6.0,
+                         help="GPU memory not available to tensors: CUDA context, NCCL buffers, fragmentation")
+    cluster.add_argument("--peak-tflops", type=float, help="dense bf16 peak of one GPU (default: the preset's)")
+    cluster.add_argument("--intra-node-gbps", type=float, help="GB/s per GPU and direction inside a node")
+    cluster.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU and direction across nodes")
+    cluster.add_argument("--compute-efficiency", type=float, default=0.5,
+                         help="the fraction of the peak that the matmuls reach (an assumption: see the README)")
+    cluster.add_argument("--host-adam-gbps", type=float, default=20.0,
+                         help="host memory GB/s that one rank's AdamW step on the CPU gets (--cpu-offload; an "
+                              "assumption: a node's 8 ranks share its memory bandwidth)")
+    batch = parser.add_argument_group("the batch")
+    batch.add_argument("-s", "--seq-length", type=int, default=8192)
+    batch.add_argument("-b", "--batch-size", type=int, default=1, help="sequences in one forward on one rank")
+    batch.add_argument("--global-batch-size", type=int,
+                       help="sequences per optimizer step (default: -b on every rank, one micro-batch)")
+    batch.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
+    layout = parser.add_argument_group("a layout to pin (else every layout is planned)")
+    layout.add_argument("--chapter", choices=sorted(set(CHAPTER_FOLDERS) - {"01", "03", "12"}),
+                        help="the chapter whose script runs the layout (default: the one that teaches it)")
+    layout.add_argument("--tp", type=int)
+    layout.add_argument("--pp", type=int)
+    layout.add_argument("--cp", type=int)
+    layout.add_argument("--ep", type=int)
+    layout.add_argument("--replicate-degree", type=int)
+    layout.add_argument("--schedule", choices=SCHEDULES["08"])
+    layout.add_argument("--num-microbatches", type=int, help="pipeline micro-batches a step (default: all rows)")
+    layout.add_argument("--activation-checkpointing", action="store_true")
+    layout.add_argument("--cpu-offload", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print every layout as JSON")
+    parser.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="build the pinned layout with the chapter's functions on the meta device, under a "
+                             "fake process group of the full world size, and compare what ranks hold")
+    parser.add_argument("--dry-run-ranks", type=int, nargs="+",
+                        help="the ranks to build (default: rank 0 and the rank predicted to hold the most)")
+    return parser
+
+
+def load_config(model):
+    try:
+        if os.path.isfile(model):
+            with open(model) as f:
+                return transformers.AutoConfig.for_model(**json.load(f))
+        return transformers.AutoConfig.from_pretrained(model)
+    except Exception as error:
+        sys.exit(f"error: cannot read the config of {model!r} ({str(error).strip().splitlines()[0]}); pass a "
+                 "Hugging Face id, a folder with config.json, or a config.json")
+
+
+# --- The model, as transformers builds it -------------------------------------------------------------------
+
+
+META_MODELS = {}  # id(config): its model on the meta device
+
+
+def meta_model(config):
+    """The model on the meta device: every parameter's name and shape, no memory (405B: half a second)."""
+    if id(config) not in META_MODELS:
+        with torch.device("meta"):
+            META_MODELS[id(config)] = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return META_MODELS[id(config)]
+
+
+def parameter_shapes(config):
+    """[(name, shape)] as named_parameters lists them: a tied head is the embedding and appears once."""
+    return [(name, tuple(param.shape)) for name, param in meta_model(config).named_parameters()]
+
+
+def layer_of(name):
+    match = re.search(r"\.layers\.(\d+)\.", name)
+    return int(match.group(1)) if match else None
+
+
+def is_expert(name):
+    return ".experts." in name
+
+
+def is_tied(config):
+    model = meta_model(config)
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def num_experts(config):
+    config = text_config(config)
+    return next((getattr(config, name) for name in ("num_local_experts", "num_experts", "n_routed_experts")
+                 if getattr(config, name, None)), 0)
+
+
+def experts_per_token(config):
+    config = text_config(config)
+    return next((getattr(config, name) for name in ("num_experts_per_tok", "top_k_experts", "moe_topk")
+                 if getattr(config, name, None)), 0)
+
+
+def head_dim(config):
+    config = text_config(config)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+# --- Layouts ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    chapter: str
+    world: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    replicate_degree: int = 1
+    schedule: str = None
+    stages_per_rank: int = 1
+    num_microbatches: int = 1
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+
+    @property
+    def dp(self):
+        """The data-parallel size: the number of groups that each train on their own rows."""
+        return self.world // (self.tp * self.pp * self.cp)
+
+
+def pinned(args):
+    return any(value not in (None, False) for value in (
+        args.chapter, args.tp, args.pp, args.cp, args.ep, args.replicate_degree, args.schedule,
+        args.num_microbatches, args.activation_checkpointing, args.cpu_offload))
+
+
+def pinned_layout(args):
+    world = args.nodes * args.gpus_per_node
+    tp, pp, cp, ep = (getattr(args, name) or 1 for name in ("tp", "pp", "cp", "ep"))
+    chapter = args.chapter or default_chapter(world, tp, pp, cp, ep, args.activation_checkpointing)
+    schedule = args.schedule or ("1f1b" if chapter in SCHEDULES else None)
+    stages_per_rank = 2 if schedule in SEVERAL_STAGES_PER_RANK else 1
+    layout = Layout(chapter, world, tp, pp if chapter in ("08", "09") else 1, cp, ep,
+                    args.replicate_degree or 1, schedule, stages_per_rank, 1,
+                    args.activation_checkpointing, args.cpu_offload)
+    if chapter == "08":
+        layout = replace(layout, pp=world)
+    return replace(layout, num_microbatches=args.num_microbatches or default_microbatches(layout, args))
+
+
+def default_chapter(world, tp, pp, cp, ep, activation_checkpointing):
+    if pp > 1:
+        return "08" if pp == world else "09"
+    if cp > 1:
+        return "10"
+    if ep > 1:
+        return "11"
+    if tp > 1:
+        return "06" if tp == world else "07"
+    return "05" if activation_checkpointing else "04"
+
+
+def default_microbatches(layout, args):
+    """A pipeline takes all of its data-parallel group's rows of a step as micro-batches of -b rows."""
+    if layout.chapter not in SCHEDULES:
+        return 1
+    return max(1, global_batch(layout, args) // (layout.dp * args.batch_size))
+
+
+def global_batch(layout, args):
+    """Sequences a step: --global-batch-size, else -b for every GPU (the same tokens a step in every layout)."""
+    return args.global_batch_size or layout.world * args.batch_size
+
+
+def divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(config, shapes, args):
+    """Every layout the chapters' scripts run on this many GPUs: tensor parallelism inside a node, HSDP with one
+    copy per node, each schedule; the planner refuses those that cannot work, with the reason."""
+    world, per_node = args.nodes * args.gpus_per_node, args.gpus_per_node
+    replicas = sorted({1, args.nodes} - {0}) if args.nodes > 1 else [1]
+    layouts = [Layout("02", world)]
+    for replicate in replicas:
+        for offload in (False, True):
+            layouts.append(Layout("04", world, replicate_degree=replicate, cpu_offload=offload))
+            layouts.append(Layout("05", world, replicate_degree=replicate, cpu_offload=offload,
+                                  activation_checkpointing=True))
+    for tp in divisors(per_node)[1:]:
+        layouts.append(Layout("06", world, tp=tp) if tp == world else Layout("07", world, tp=tp))
+    for pp in divisors(world)[1:]:
+        chapter = "08" if pp == world else "09"
+        for tp in [1] + ([t for t in divisors(per_node)[1:] if world % (t * pp) == 0] if chapter == "09" else []):
+            for schedule in SCHEDULES[chapter]:
+                layouts.append(Layout(chapter, world, tp=tp, pp=pp, schedule=schedule,
+                                      stages_per_rank=2 if schedule in SEVERAL_STAGES_PER_RANK else 1))
+    for cp in divisors(world)[1:]:
+        layouts.append(Layout("10", world, cp=cp))
+    if num_experts(config):
+        for ep in divisors(world)[1:]:
+            layouts.append(Layout("11", world, ep=ep))
+    return [replace(layout, num_microbatches=default_microbatches(layout, args)) for layout in layouts]
+
+
+# --- What the chapter's script is told, and what it refuses --------------------------------------------------
+
+
+@functools.cache
+def chapter_module(chapter):
+    """A chapter's train_llm.py as a module (its functions; main() does not run)."""
+    path = os.path.join(ROOT, CHAPTER_FOLDERS[chapter], "train_llm.py")
+    spec = importlib.util.spec_from_file_location(f"chapter_{chapter}_train_llm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def chapter_batch_size(layout, args):
+    """The script's -b: one forward's rows, or with a pipeline the rows its micro-batches split."""
+    return args.batch_size * (layout.num_microbatches if layout.chapter in SCHEDULES else 1)
+
+
+def chapter_flags(layout, args, model):
+    flags = ["-m", model, "-s", args.seq_length, "-b", chapter_batch_size(layout, args),
+             "--global-batch-size", global_batch(layout, args)]
+    if layout.chapter in ("04", "05", "10", "11"):
+        flags += ["--replicate-degree", layout.replicate_degree] if layout.replicate_degree > 1 else []
+        flags += ["--cpu-offload"] if layout.cpu_offload else []
+    flags += ["--activation-checkpointing"] if layout.activation_checkpointing else []
+    flags += {"07": ["--tp", layout.tp], "09": ["--pp", layout.pp, "--tp", layout.tp],
+              "10": ["--cp", layout.cp], "11": ["--ep", layout.ep]}.get(layout.chapter, [])
+    if layout.chapter in SCHEDULES:
+        flags += ["--schedule", layout.schedule, "--num-microbatches", layout.num_microbatches]
+    return [str(flag) for flag in flags]
+
+
+def model_for_flags(model):
+    """-m takes a folder: a config.json's folder stands for it."""
+    return os.path.dirname(model) or "." if os.path.isfile(model) else model
+
+
+# What each chapter's script takes beyond data parallelism (chapter 06 and 08 split over all ranks).
+TAKES = {"02": set(), "04": {"--replicate-degree", "--cpu-offload"},
+         "05": {"--replicate-degree", "--cpu-offload", "--activation-checkpointing"},
+         "06": {"--tp"}, "07": {"--tp"}, "08": {"--pp"}, "09": {"--pp", "--tp"},
+         "10": {"--cp", "--replicate-degree", "--cpu-offload"},
+         "11": {"--ep", "--replicate-degree", "--cpu-offload"}}
+
+
+def refusal(layout, config, args):
+    """Why the layout cannot run, in the words of the chapter's own checks (None if it can)."""
+    world, chapter = layout.world, layout.chapter
+    asked = {"--tp": layout.tp > 1, "--pp": layout.pp > 1, "--cp": layout.cp > 1, "--ep": layout.ep > 1,
+             "--replicate-degree": layout.replicate_degree > 1, "--cpu-offload": layout.cpu_offload,
+             "--activation-checkpointing": layout.activation_checkpointing}
+    untaken = [flag for flag, on in asked.items() if on and flag not in TAKES[chapter]]
+    own = None
+    if untaken:
+        wanted = {flag for flag, on in asked.items() if on}
+        takers = [other for other, takes in TAKES.items() if wanted <= takes]
+        other = f"chapter {takers[0]}'s does" if takers else f"no chapter's combines {', '.join(sorted(wanted))}"
+        own = f"chapter {chapter}'s script does not take {', '.join(untaken)}; {other}"
+    elif chapter == "06" and layout.tp != world:
+        own = f"chapter 06 splits over all {world} ranks (--tp {layout.tp} with data parallelism is chapter 07's)"
+    elif world % (layout.tp * layout.pp * layout.cp):
+        own = (f"--tp {layout.tp} x --pp {layout.pp} x --cp {layout.cp} = {layout.tp * layout.pp * layout.cp} "
+               f"does not divide the {world} ranks")
+    elif world % layout.replicate_degree:
+        own = (f"--replicate-degree {layout.replicate_degree} does not divide the {world} ranks; pass a divisor "
+               "of the number of ranks, such as the number of nodes")
+    elif layout.ep > 1 and num_experts(config) % layout.ep:
+        own = (f"--ep {layout.ep} does not divide the {num_experts(config)} experts of each layer; pass a divisor "
+               "of the number of experts")
+    elif layout.ep > 1 and not num_experts(config):
+        own = f"{config.model_type} has no experts to split over --ep {layout.ep}"
+    if own:
+        return own
+    module = chapter_module(chapter)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            chapter_args = module.get_parser().parse_args(chapter_flags(layout, args, model_for_flags(args.model)))
+        if chapter in ("06", "07"):
+            module.check_tensor_parallel_fits(config, args.seq_length, layout.tp)
+        elif chapter == "08":
+            module.check_pipeline_fits(chapter_args, config, layout.pp, layout.stages_per_rank)
+        elif chapter == "09":
+            module.check_mesh_fits(chapter_args, world)
+            module.check_tensor_parallel_fits(config, args.seq_length, layout.tp)
+            module.check_pipeline_fits(chapter_args, config, layout.pp, layout.stages_per_rank)
+        elif chapter == "10":
+            module.check_context_parallel_fits(chapter_args, config, world)
+        elif chapter == "11":
+            module.check_expert_parallel_fits(chapter_args, config, world)
+        module.fit_grad_accum_steps(chapter_args, layout.dp if chapter not in ("06", "08") else 1)
+    except SystemExit as stop:
+        return str(stop.code).removeprefix("error: ")
+    return None
+
+
+# --- What each rank holds: the fp32 weights, gradients and AdamW state ----------------------------------------
+
+
+def tp_dim(name, layout):
+    """The dim that tensor parallelism splits (chapter 06's plan), or None for a weight it replicates."""
+    if layout.tp == 1:
+        return None
+    if re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$", name):
+        return 0
+    if re.search(r"\.(o_proj|down_proj)\.weight$", name):
+        return 1
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return 0
+    return None
+
+
+def stages_of_rank(layout, rank):
+    """The pipeline stages a rank runs (chapters 08 and 09's placement), or [0] without a pipeline."""
+    if layout.pp == 1:
+        return [0]
+    num_stages = layout.pp * layout.stages_per_rank
+    pp_rank = rank // (layout.world // layout.pp)
+    if layout.schedule in ("zbv", "dualpipev"):
+        return [i for i in range(num_stages) if min(i, num_stages - 1 - i) == pp_rank]
+    return list(range(pp_rank, num_stages, layout.pp))
+
+
+def stage_holds(name, stage, num_stages, num_layers):
+    layer = layer_of(name)
+    if layer is not None:
+        return stage * num_layers // num_stages <= layer < (stage + 1) * num_layers // num_stages
+    if "embed_tokens" in name:
+        return stage == 0
+    return stage == num_stages - 1  # the final norm and the head
+
+
+def chunk(length, parts, index):
+    """The rows of dim `length` that shard `index` of `parts` holds: fully_shard's torch.chunk split."""
+    size = math.ceil(length / parts)
+    return max(0, min(size, length - index * size))
+
+
+def local_numel(name, shape, layout, rank):
+    """Elements of one weight that a rank holds."""
+    shape = list(shape)
+    split = tp_dim(name, layout)
+    if split is not None:
+        shape[split] //= layout.tp
+    chapter = layout.chapter
+    if chapter in ("04", "05", "10", "11"):
+        if chapter == "11" and is_expert(name):
+            shape[0] //= layout.ep
+            edp = layout.world // layout.ep
+            shape[1] = chunk(shape[1], edp, rank // layout.ep)
+        else:
+            shards = layout.world // layout.replicate_degree
+            shape[0] = chunk(shape[0], shards, rank % shards)
+    elif chapter in ("07", "09"):
+        dp_rank = (rank // layout.tp) % layout.dp
+        shape[0] = chunk(shape[0], layout.dp, dp_rank)
+    return math.prod(shape)
+
+
+def unsharded_numel(name, shape, layout):
+    """Elements of one weight that a rank's FSDP group gathers: its tensor-parallel slice, and with expert
+    parallelism only its ep rank's experts."""
+    elements = math.prod(shape) // (layout.tp if tp_dim(name, layout) is not None else 1)
+    return elements // layout.ep if layout.chapter == "11" and is_expert(name) else elements
+
+
+def rank_weights(layout, config, shapes, rank):
+    """(elements, number of weight tensors) that a rank's optimizer holds, its pipeline stages' only."""
+    num_layers = text_config(config).num_hidden_layers
+    num_stages = layout.pp * layout.stages_per_rank
+    stages = stages_of_rank(layout, rank)
+    elements, tensors = 0, 0
+    for name, shape in shapes:
+        held = [stage for stage in stages if stage_holds(name, stage, num_stages, num_layers)]
+        if layout.pp > 1 and "embed_tokens" in name and is_tied(config) and num_stages - 1 in stages:
+            held.append(num_stages - 1)  # the last stage's head: a copy of the tied embedding
+        for _ in held:
+            elements += local_numel(name, shape, layout, rank)
+            tensors += 1
+    return elements, tensors
+
+
+def state_bytes(elements, tensors):
+    """fp32 weights and gradients, AdamW's two fp32 moments and its step counter (a 4-byte tensor a weight)."""
+    return {"weights": 4 * elements, "gradients": 4 * elements, "optimizer": 8 * elements + 4 * tensors}
+
+
+# --- The step: activations, gathered weights, collectives, FLOPs, time ----------------------------------------
+
+
+def activation_bytes_per_token(config, layout, compute_bytes):
+    """(bytes per token that one layer saves for backward on a rank, bytes per token outside the layers).
+    Counted from what Hugging Face's Llama saves with sdpa attention (chapter 05's count: RMSNorm in fp32), a
+    MoE layer's MLP once per expert a token goes to; tensor parallelism splits what its plan splits
+    (sequence-parallel norms included) but for the gathered inputs of the column-parallel matmuls."""
+    config = text_config(config)
+    b, tp, h = compute_bytes, layout.tp, config.hidden_size
+    q_dim = config.num_attention_heads * head_dim(config)
+    kv_dim = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim(config)
+    inter, experts = config.intermediate_size, num_experts(config)
+    if experts:
+        inter = (getattr(config, "moe_intermediate_size", None) or inter) * experts_per_token(config)
+    norms = 2 * (4 + b) * h / tp + 2 * b * h
+    # q, the attention's output, k and v, and sdpa's log-sum-exp; with context parallelism every rank keeps
+    # the whole sequence's keys and values for its backward
+    attention = (b * (2 * q_dim + 2 * kv_dim * layout.cp) + 4 * config.num_attention_heads) / tp
+    mlp = 4 * b * inter / tp + 4 * experts  # gate, silu(gate), up, their product; the router's logits
+    per_layer = norms + attention + mlp + 8
+    # the final norm, the logits the loss keeps (log-softmax in fp32) and the logits, the token ids and labels,
+    # and at the start of backward the gradient of the logits (fp32, then --dtype)
+    outside = (4 + 2 * b) * h + 2 * (4 + b) * config.vocab_size / tp + 16
+    return per_layer, outside
+
+
+def layers_in_flight(layout, num_layers, pp_rank):
+    """How many layers' activations of one micro-batch a rank holds at once: its stages' layers times the
+    micro-batches its schedule keeps in flight there (GPipe all; 1F1B p - r on rank r; interleaved, torch's
+    warm-up of (v-1)p + 2(p-1-r) + 1 stage passes; the V schedules about 1F1B's first rank on every rank, as
+    chapter 08 measures)."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.stages_per_rank
+    if p == 1:
+        return num_layers
+    interleaved = min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1)
+    in_flight = {"gpipe": m * v, "1f1b": min(m, p - pp_rank), "interleaved-1f1b": interleaved,
+                 "interleaved-zb": interleaved, "zbv": min(m * v, 2 * p), "dualpipev": min(m * v, 2 * p + 1)}
+    return in_flight[layout.schedule] * num_layers / (p * v)
+
+
+def bubble(layout):
+    """The share of a step a pipeline rank idles (chapter 08): (p-1)/(m+p-1) for GPipe and 1F1B, ramps v times
+    shorter interleaved, a third of that with the split backward, none in the V schedules' ideal."""
+    p, m, v = layout.pp, layout.num_microbatches, layout.stages_per_rank
+    if p == 1:
+        return 0.0
+    return {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
+            "interleaved-1f1b": (p - 1) / (v * m + p - 1), "interleaved-zb": (p - 1) / (3 * (v * m + p - 1)),
+            "zbv": 0.0, "dualpipev": 0.0}[layout.schedule]
+
+
+def memory_per_rank(layout, config, shapes, args, rank):
+    """Bytes a rank holds at the peak of a step, by part; the weights, gradients and AdamW state exactly."""
+    text, cd = text_config(config), compute_bytes(args)
+    elements, tensors = rank_weights(layout, config, shapes, rank)
+    memory = state_bytes(elements, tensors)
+    # One transformer block's weights as FSDP gathers them (the tensor-parallel slice, the ep rank's experts)
+    gathered = sum(unsharded_numel(name, shape, layout) for name, shape in shapes)
+    block = gathered / text.num_hidden_layers
+    if layout.chapter == "09" and layout.dp > 1:
+        # torch's pipelining keeps a stage's weights gathered and its fp32 gradients whole until the step's end
+        stage = gathered * layout.stages_per_rank / layout.pp
+        memory.update(gathered_weights=cd * stage, gathered_gradients=4 * stage)
+    elif layout.chapter in ("04", "05", "10", "11") or (layout.chapter == "07" and layout.dp > 1):
+        # the block computing and the next one arriving (and with --explicit-prefetch one more), in --dtype;
+        # in backward one block's full gradients in --dtype and, reduced in fp32, an fp32 copy
+        memory.update(gathered_weights=2 * cd * block, gathered_gradients=(cd + 4) * block)
+    elif cd != 4:
+        memory["autocast_copies"] = cd * elements  # autocast's --dtype copy of each fp32 matmul weight
+    per_layer, outside = activation_bytes_per_token(config, layout, cd)
+    tokens = args.batch_size * args.seq_length / layout.cp  # one micro-batch's tokens on a rank
+    if layout.activation_checkpointing:
+        # a checkpointed block keeps its input; backward recomputes one block at a time
+        layer_bytes = cd * text.hidden_size * text.num_hidden_layers + per_layer
+    else:
+        pp_rank = rank // (layout.world // layout.pp)
+        layer_bytes = per_layer * layers_in_flight(layout, text.num_hidden_layers, pp_rank)
+    memory["activations"] = tokens * (layer_bytes + outside)
+    return memory
+
+
+def compute_bytes(args):
+    return 2 if args.dtype == "bfloat16" else 4
+
+
+def group_link(stride, size, per_node):
+    """Whether a group of `size` ranks `stride` apart (in torchrun's numbering) stays inside a node."""
+    return "intra_node" if stride * size <= per_node and per_node % (stride * size) == 0 else "inter_node"
+
+
+def collectives_per_step(layout, config, shapes, args):
+    """{collective: {link: bytes a rank sends in a step}}: ring algorithms send (n-1)/n of a gathered or
+    scattered tensor and twice that for a sum (all-reduce)."""
+    text, cd, world, per_node = text_config(config), compute_bytes(args), layout.world, args.gpus_per_node
+    micro_steps = global_batch(layout, args) // (layout.dp * args.batch_size)  # forwards a rank runs a step
+    # a rank's weights before FSDP shards them (its stages' tensor-parallel slices, its ep rank's experts)
+    held = sum(unsharded_numel(name, shape, layout) for name, shape in shapes) * layout.stages_per_rank / layout.pp
+    comm = {}
+
+    def add(collective, link, size):
+        comm.setdefault(collective, {}).setdefault(link, 0.0)
+        comm[collective][link] += size
+
+    if layout.chapter == "02" and world > 1:
+        add("all_reduce (DDP gradients)", group_link(1, world, per_node), 2 * (world - 1) / world * 4 * held)
+    fsdp = None  # (stride, size) of the ranks FSDP shards a weight over
+    if layout.chapter in ("07", "09"):
+        fsdp = (layout.tp, layout.dp)
+    elif layout.chapter in ("04", "05", "10", "11"):
+        fsdp = (1, world // layout.replicate_degree)
+    if fsdp and fsdp[1] > 1:
+        stride, n = fsdp
+        link, share = group_link(stride, n, per_node), (n - 1) / n
+        # the chapters' FSDP gathers each block for forward and again for backward, and reduce-scatters every
+        # micro-batch's gradients; under torch's pipelining (09) backward keeps them, reduced once a step
+        gathers, reduces = (1, 1) if layout.chapter == "09" else (2, micro_steps)
+        add("all_gather (FSDP weights)", link, gathers * micro_steps * cd * held * share)
+        add("reduce_scatter (FSDP gradients)", link, reduces * 4 * held * share)
+        if layout.replicate_degree > 1:
+            r = layout.replicate_degree
+            add("all_reduce (HSDP gradients)", group_link(n, r, per_node),
+                reduces * 2 * (r - 1) / r * 4 * held / n)
+    layers = text.num_hidden_layers * layout.stages_per_rank / layout.pp
+    tokens = args.batch_size * args.seq_length
+    if layout.tp > 1:
+        link, share = group_link(1, layout.tp, per_node), (layout.tp - 1) / layout.tp
+        # a layer's 2 all-gathers and 2 reduce-scatters of [b, s, hidden] forward, the same backward; the
+        # embedding's and the head's; loss_parallel's 3 all-reduces of one number a token
+        add("all_gather + reduce_scatter (TP activations)", link,
+            micro_steps * (8 * layers + 4) * tokens * text.hidden_size * cd * share)
+        add("all_reduce (TP loss)", link, micro_steps * 3 * 2 * share * tokens * 4)
+    if layout.pp > 1:
+        # each stage sends its output forward and its input's gradient back, per micro-batch (08: fp32, 09: the
+        # tensor-parallel slice in --dtype)
+        message = tokens / layout.tp * text.hidden_size * (4 if layout.chapter == "08" else cd)
+        add("send/recv (pipeline)", group_link(world // layout.pp, layout.pp, per_node),
+            micro_steps * 2 * layout.stages_per_rank * message)
+    if layout.cp > 1:
+        kv_dim = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim(config)
+        local = tokens / layout.cp * kv_dim * cd
+        # keys and values gathered in forward (all_gather), their gradients sent back in backward (all_to_all)
+        add("all_gather + all_to_all (CP keys, values)", group_link(1, layout.cp, per_node),
+            micro_steps * text.num_hidden_layers * 4 * (layout.cp - 1) * local)
+    if layout.ep > 1:
+        routed = tokens * experts_per_token(config) * text.hidden_size * cd
+        # each MoE layer sends its tokens' rows to their experts and back, forward and backward
+        add("all_to_all (EP tokens)", group_link(1, layout.ep, per_node),
+            micro_steps * text.num_hidden_layers * 4 * routed * (layout.ep - 1) / layout.ep)
+    return comm
+
+
+def flops_per_token(config, shapes, seq_length):
+    """The chapters' training_flops_per_token: 6 a matmul weight (every weight but the input embedding, which
+    is one again as a tied head; of the experts those a token passes through) plus the attention scores."""
+    experts, k, text = num_experts(config), experts_per_token(config), text_config(config)
+    total = 0
+    for name, shape in shapes:
+        count = math.prod(shape)
+        if "embed_tokens" in name:
+            count = count if is_tied(config) else 0
+        elif is_expert(name):
+            count = count * k // experts
+        total += count
+    return 6 * total + 12 * text.num_hidden_layers * text.hidden_size * seq_length
+
+
+def plan_layout(layout, config, shapes, args):
+    gpu = GPUS[args.gpu]
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else gpu["peak_flops"]
+    bandwidth = {"intra_node": (args.intra_node_gbps or gpu["intra_node_gbps"]) * 1e9,
+                 "inter_node": (args.inter_node_gbps or gpu["inter_node_gbps"]) * 1e9}
+    usable = ((args.gpu_memory_gb or gpu["memory_gb"]) - args.headroom_gb) * GB
+    plan = {"layout": {**asdict(layout), "dp": layout.dp}, "fits": False, "reason": refusal(layout, config, args),
+            "peak_bytes_per_rank": None, "step_time_s": None, "mfu": None, "command": commands(layout, args)}
+    if plan["reason"]:
+        return plan
+    # The busiest rank sets the peak. Pipeline stages differ (the embedding, the head, the micro-batches in
+    # flight), and within a stage the first of its ranks holds the first, largest shards of uneven splits.
+    offloaded = ("weights", "gradients", "optimizer") if layout.cpu_offload else ()
+    on_device = {rank: memory_per_rank(layout, config, shapes, args, rank)
+                 for rank in range(0, layout.world, layout.world // layout.pp)}
+    busiest = max(on_device, key=lambda rank: sum(bytes_ for part, bytes_ in on_device[rank].items()
+                                                  if part not in offloaded))
+    memory = on_device[busiest]
+    peak_bytes = sum(size for part, size in memory.items() if part not in offloaded)
+    comm = collectives_per_step(layout, config, shapes, args)
+    comm_time = {collective: sum(size / bandwidth[link] for link, size in by_link.items())
+                 for collective, by_link in comm.items()}
+    step_tokens = global_batch(layout, args) * args.seq_length
+    model_flops = flops_per_token(config, shapes, args.seq_length) * step_tokens
+    # activation checkpointing runs each forward twice: 8 FLOPs a weight and token instead of 6
+    rank_flops = model_flops / layout.world * (8 / 6 if layout.activation_checkpointing else 1)
+    compute = rank_flops / (peak * args.compute_efficiency)
+    idle = bubble(layout)
+    if layout.cpu_offload:
+        # FSDP copies each fp32 shard to the GPU for every gather and each gradient shard back; AdamW then reads
+        # 16 and writes 12 bytes an element in host memory, after the backward
+        elements = rank_weights(layout, config, shapes, busiest)[0]
+        micro_steps = global_batch(layout, args) // (layout.dp * args.batch_size)
+        comm_time["PCIe copies (FSDP offload)"] = micro_steps * 12 * elements / (gpu["pcie_gbps"] * 1e9)
+        comm_time["AdamW on the CPU (offload)"] = 28 * elements / (args.host_adam_gbps * 1e9)
+    # FSDP's and DDP's collectives and the offload's copies overlap the compute; the others wait on it
+    hidden = sum(time for collective, time in comm_time.items() if overlaps_compute(collective))
+    terms = {"compute": compute, "pipeline bubble": compute * idle / (1 - idle),
+             "data-parallel communication beyond the compute": max(0.0, hidden - compute),
+             **{collective: time for collective, time in comm_time.items()
+                if not overlaps_compute(collective)}}
+    step_time = sum(terms.values())
+    plan.update(
+        fits=peak_bytes <= usable, busiest_rank=busiest, peak_bytes_per_rank=peak_bytes,
+        memory_bytes_per_rank=memory, on_host=list(offloaded), usable_bytes_per_gpu=usable,
+        comm_bytes_per_step=comm, flops_per_step=model_flops, flops_per_rank=rank_flops, bubble=idle,
+        step_time_s=step_time, step_time_terms_s=terms, dominant=max(terms, key=terms.get),
+        mfu=model_flops / (step_time * layout.world * peak), tokens_per_s=step_tokens / step_time,
+    )
+    host_bytes = args.gpus_per_node * sum(memory[part] for part in offloaded)
+    plan.update(host_bytes_per_node=host_bytes, fits=plan["fits"] and host_bytes <= args.host_memory_gb * GB)
+    if peak_bytes > usable:
+        plan["reason"] = f"does not fit: {size(peak_bytes)} a GPU at the peak of a step, {size(usable)} usable"
+    elif not plan["fits"]:
+        plan["reason"] = (f"does not fit: the offloaded states need {size(host_bytes)} of CPU memory a node, "
+                          f"which has {size(args.host_memory_gb * GB)}")
+    return plan
+
+
+def overlaps_compute(collective):
+    """FSDP's, HSDP's and DDP's collectives run while the GPU computes (prefetch, gradient buckets)."""
+    return any(kind in collective for kind in ("FSDP", "HSDP", "DDP"))
+
+
+def commands(layout, args):
+    """The chapter's command for this layout, from the current folder (where a local -m is): torchrun on every
+    node, or sbatch with chapter 03's job file (which starts torchrun on every node)."""
+    script = os.path.relpath(os.path.join(ROOT, CHAPTER_FOLDERS[layout.chapter], "train_llm.py"))
+    job = os.path.relpath(os.path.join(ROOT, CHAPTER_FOLDERS["03"], "job.sbatch"))
+    flags = " ".join(chapter_flags(layout, args, model_for_flags(args.model)))
+    rendezvous = "" if args.nodes == 1 else (f"--nnodes={args.nodes} --rdzv-backend=c10d "
+                                             "--rdzv-endpoint=$HEAD_NODE:29500 ")
+    return {"torchrun": f"torchrun {rendezvous}--nproc_per_node={args.gpus_per_node} {script} {flags}",
+            "sbatch": f"mkdir -p logs && TRAIN_SCRIPT=$PWD/{script} sbatch --nodes={args.nodes} "
+                      f"--gpus-per-node={args.gpus_per_node} {job} {flags}"}
+
+
+# --- Printing -------------------------------------------------------------------------------------------------
+
+
+def size(n):
+    """n bytes with the precision a reader needs: 1623 GB, 12.68 GB, 0.54 GB, 3.44 MB."""
+    for unit, scale in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if n >= 0.1 * scale:
+            return f"{n / scale:.0f} {unit}" if n >= 1000 * scale else f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def describe(layout):
+    parts = [f"chapter {layout.chapter}: dp {layout.dp}"]
+    parts += [f"{name} {getattr(layout, name)}" for name in ("tp", "pp", "cp", "ep") if getattr(layout, name) > 1]
+    parts += [f"HSDP x{layout.replicate_degree}"] if layout.replicate_degree > 1 else []
+    parts += [f"{layout.schedule} (m {layout.num_microbatches})"] if layout.schedule else []
+    parts += ["activation checkpointing"] if layout.activation_checkpointing else []
+    parts += ["CPU offload"] if layout.cpu_offload else []
+    return ", ".join(parts)
+
+
+def layout_of(plan):
+    return Layout(**{name: value for name, value in plan["layout"].items() if name != "dp"})
+
+
+def print_plans(plans, config, shapes, args):
+    world = args.nodes * args.gpus_per_node
+    total = sum(math.prod(shape) for _, shape in shapes)
+    print(f"{type(meta_model(config)).__name__}, {total / 1e9:.2f}B parameters, on {args.nodes} nodes x "
+          f"{args.gpus_per_node} {args.gpu.upper()} ({world} ranks); -s {args.seq_length}, -b {args.batch_size} "
+          f"rows a forward, {args.global_batch_size or world * args.batch_size} sequences a step")
+    fitting = [plan for plan in plans if plan["fits"]]
+    if len(plans) > 1:
+        print(f"{len(fitting)} of {len(plans)} layouts fit; the fastest {min(len(fitting), args.top)}:")
+    for plan in plans if len(plans) == 1 else fitting[:args.top]:
+        print_plan(plan)
+    refused = [plan for plan in plans if not plan["fits"]]
+    for plan in refused if len(plans) == 1 else []:
+        print(f"{'note' if args.dry_run else 'error'}: {describe(layout_of(plan))}: {plan['reason']}")
+    if len(plans) > 1 and refused:
+        print(f"\n{len(refused)} do not fit or cannot run, e.g.:")
+        for plan in sorted(refused, key=lambda plan: plan["peak_bytes_per_rank"] or math.inf)[:args.top]:
+            print(f"  {describe(layout_of(plan))}: {plan['reason']}")
+
+
+def print_plan(plan):
+    if plan["peak_bytes_per_rank"] is None:
+        return
+    print(f"\n{describe(layout_of(plan))}\n  {size(plan['peak_bytes_per_rank'])} a GPU at the peak (rank "
+          f"{plan['busiest_rank']} holds the most); step {plan['step_time_s']:.2f} s, MFU {plan['mfu']:.0%}, "
+          f"bubble {plan['bubble']:.0%}; the largest term: {plan['dominant']}")
+    for part, bytes_ in plan["memory_bytes_per_rank"].items():
+        where = "CPU" if part in plan["on_host"] else "GPU"
+        print(f"    {part.replace('_', ' '):<22} {size(bytes_):>10}  on the {where}")
+    for collective, by_link in plan["comm_bytes_per_step"].items():
+        links = ", ".join(f"{size(bytes_)} {link.replace('_', '-')}" for link, bytes_ in by_link.items())
+        print(f"    {collective:<46} {links} a step")
+    print(f"  {plan['command']['torchrun']}\n  {plan['command']['sbatch']}")
+
+
+# --- The dry run: the chapter's own functions, on the meta device, at the full world size ---------------------
+
+
+def build_rank(layout, config, args, rank):
+    """What rank `rank` of the layout holds once the chapter's functions have built it on the meta device under
+    torch's fake process group (collectives return at once): (weight elements, weight tensors, optimizer bytes).
+    The calls are the chapter's main() up to its optimizer, with the meta device for the GPU."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    module, chapter, world = chapter_module(layout.chapter), layout.chapter, layout.world
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        chapter_args = module.get_parser().parse_args(chapter_flags(layout, args, model_for_flags(args.model)))
+    # --cpu-offload places the states in host memory, which the meta device would then really allocate: the
+    # shards are the same without it
+    chapter_args.cpu_offload = False
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    compute_dtype = getattr(torch, args.dtype)
+    dist.init_process_group("fake", rank=rank, world_size=world)
+    try:
+        if chapter in ("04", "05", "10"):
+            mesh = module.make_device_mesh(cpu, world, layout.replicate_degree)
+            holders = [module.build_model(chapter_args, config, meta, mesh, compute_dtype)]
+        elif chapter == "11":
+            mesh = module.make_device_mesh(cpu, world, layout.replicate_degree)
+            expert_mesh = init_device_mesh("cpu", (world // layout.ep, layout.ep), mesh_dim_names=("edp", "ep"))
+            holders = [module.build_model(chapter_args, config, meta, mesh, expert_mesh, compute_dtype)]
+        elif chapter in ("02", "06", "07"):
+            model = module.build_model(chapter_args, config, meta)
+            if chapter == "06":
+                module.tensor_parallelize(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)))
+            elif chapter == "07":
+                mesh = init_device_mesh("cpu", (world // layout.tp, layout.tp), mesh_dim_names=("dp", "tp"))
+                module.tensor_parallelize(model, mesh["tp"])
+                module.shard_model(model, mesh["dp"], compute_dtype)
+            holders = [model]
+        elif chapter == "08":
+            model = module.build_model(chapter_args, config, meta)
+            num_stages = world * layout.stages_per_rank
+            stage_ranks = module.stage_placement(num_stages, world, layout.schedule)
+            indices = [index for index, stage_rank in enumerate(stage_ranks) if stage_rank == rank]
+            holders = [module.pipeline_stage(model, index, num_stages) for index in indices]
+            if model.get_output_embeddings().weight is model.get_input_embeddings().weight and world > 1:
+                module.tied_weight_copies(holders, 0 in indices, num_stages - 1 in indices)
+        else:  # "09"
+            model = module.build_model(chapter_args, config, meta)
+            mesh = init_device_mesh("cpu", (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+            module.tensor_parallelize(model, mesh["tp"])
+            num_stages = layout.pp * layout.stages_per_rank
+            indices = list(range(mesh.get_local_rank("pp"), num_stages, layout.pp))
+            holders = [module.pipeline_stage(model, index, num_stages) for index in indices]
+            for stage in holders:
+                module.shard_model(stage, mesh["dp"], compute_dtype)
+        params = list({id(p): p for holder in holders for p in holder.parameters()}.values())
+        optimizer = torch.optim.AdamW(params, lr=1e-4)
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        optimizer.step()  # AdamW's state, on meta tensors: shapes and no storage
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
+        state = [tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                 for per_weight in optimizer.state.values() for tensor in per_weight.values()]
+        return (sum(t.numel() for t in local), len(local), sum(t.numel() * t.element_size() for t in state))
+    finally:
+        dist.destroy_process_group()
+
+
+def dry_run(layout, config, plan, args):
+    """Build the ranks asked for and hold what they hold against the plan; a list of the differences."""
+    if plan["reason"] and not plan["reason"].startswith("does not fit"):
+        print(f"dry run: not built, the layout is refused: {plan['reason']}")
+        return [plan["reason"]]
+    shapes = parameter_shapes(config)
+    ranks = args.dry_run_ranks or sorted({0, plan["busiest_rank"]})
+    failures = []
+    print(f"\ndry run of {describe(layout)} at {layout.world} ranks (fake process group, meta device):")
+    for rank in ranks:
+        start = time.perf_counter()
+        elements, tensors, optimizer_bytes = build_rank(layout, config, args, rank)
+        built = {"weights": 4 * elements, "gradients": 4 * elements, "optimizer": optimizer_bytes}
+        predicted = state_bytes(*rank_weights(layout, config, shapes, rank))
+        for part in built:
+            same = built[part] == predicted[part]
+            failures += [] if same else [f"rank {rank} {part}: built {built[part]}, planned {predicted[part]}"]
+            print(f"  rank {rank}: {part:<10} built {built[part]:>15,} bytes, planned {predicted[part]:>15,}  "
+                  + ("equal" if same else "DIFFERENT"))
+        print(f"  rank {rank}: built in {time.perf_counter() - start:.1f} s")
+    return failures
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Chapter 12's planner: what it says each rank holds is what the chapters' own code builds (a dry run at the
+full world size on the meta device, under torch's fake process group), for every layout the chapters run, dense,
+MoE and tied, at 2-8 ranks and at Llama 3.1 405B's 64; a layout that cannot work is refused with the chapter's
+reason; its FLOPs are the chapters' MFU count; its JSON lists every layout with what a script needs."""
+import contextlib
+import io
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import transformers
+
+from conftest import CHAPTERS, ROOT, offline_env, write_tiny_model
+from launching import load_script
+
+PLANNER = ROOT / "12-choosing-a-layout" / "plan.py"
+plan = load_script(PLANNER)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Four layers, so that a 2-rank V schedule has a layer for each of its 4 stages."""
+    folder = tmp_path_factory.mktemp("planner-models")
+    return {"llama": write_tiny_model(folder / "llama", num_hidden_layers=4),
+            "tied": write_tiny_model(folder / "tied", architecture="qwen3", num_hidden_layers=4,
+                                     tie_word_embeddings=True),
+            "moe": write_tiny_model(folder / "moe", architecture="mixtral", num_hidden_layers=2,
+                                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)}
+
+
+def planned(model, ranks, *flags, nodes=1, seq_length=64):
+    """(args, config, layout, the plan) for a layout pinned by chapter flags."""
+    args = plan["get_parser"]().parse_args([str(model), "--nodes", str(nodes), "--gpus-per-node", str(ranks),
+                                            "-s", str(seq_length), "-b", "2", *map(str, flags)])
+    config = plan["load_config"](args.model)
+    layout = plan["pinned_layout"](args)
+    return args, config, layout, plan["plan_layout"](layout, config, plan["parameter_shapes"](config), args)
+
+
+def dry_run(args, config, layout, planned_layout, ranks=None):
+    args.dry_run_ranks = ranks
+    with contextlib.redirect_stdout(io.StringIO()) as output:
+        failures = plan["dry_run"](layout, config, planned_layout, args)
+    return failures, output.getvalue()
+
+
+# name: (model, ranks, the layout's flags); every chapter's layouts, each schedule, HSDP, a tied head, experts
+LAYOUTS = {
+    "02-ddp": ("llama", 2, ["--chapter", "02"]),
+    "04-fsdp": ("llama", 3, ["--chapter", "04"]),
+    "04-hsdp-offload": ("llama", 4, ["--replicate-degree", 2, "--cpu-offload"]),
+    "04-tied": ("tied", 4, ["--chapter", "04"]),
+    "05-activation-checkpointing": ("llama", 4, ["--activation-checkpointing"]),
+    "06-tp4": ("llama", 4, ["--tp", 4]),
+    "06-tied": ("tied", 2, ["--tp", 2]),
+    "07-dp2-tp2": ("llama", 4, ["--tp", 2]),
+    "07-dp4-tp2": ("llama", 8, ["--tp", 2]),
+    **{f"08-{schedule}": ("llama", 2, ["--pp", 2, "--schedule", schedule, "--global-batch-size", 8])
+       for schedule in ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev")},
+    "08-1f1b-4-ranks": ("llama", 4, ["--pp", 4]),
+    "08-zbv-tied": ("tied", 2, ["--pp", 2, "--schedule", "zbv"]),
+    "08-1f1b-tied": ("tied", 2, ["--pp", 2]),
+    "09-pp2-dp2-tp2": ("llama", 8, ["--pp", 2, "--tp", 2]),
+    "09-interleaved": ("llama", 4, ["--pp", 2, "--tp", 2, "--schedule", "interleaved-1f1b"]),
+    "09-pp2-dp2-tied": ("tied", 4, ["--pp", 2, "--chapter", "09"]),
+    "10-cp2": ("llama", 4, ["--cp", 2]),
+    "10-cp2-hsdp": ("llama", 8, ["--cp", 2, "--replicate-degree", 2]),
+    "11-ep2": ("moe", 4, ["--ep", 2]),
+    "11-ep4": ("moe", 4, ["--ep", 4]),
+    "11-ep2-hsdp": ("moe", 8, ["--ep", 2, "--replicate-degree", 2]),
+}
+
+
+@pytest.mark.parametrize("case", LAYOUTS)
+def test_every_rank_holds_the_weights_gradients_and_adam_state_the_plan_counts(case, models):
+    model, ranks, flags = LAYOUTS[case]
+    args, config, layout, planned_layout = planned(models[model], ranks, *flags)
+    assert planned_layout["reason"] is None, planned_layout["reason"]
+    assert layout.chapter == case[:2]
+    failures, output = dry_run(args, config, layout, planned_layout, ranks=list(range(ranks)))
+    assert not failures, output
+    assert output.count("equal") == 3 * ranks
+
+
+@pytest.mark.parametrize("flags", [["--activation-checkpointing", "--cpu-offload", "-s", 4096],
+                                   ["--tp", 8, "--pp", 8]], ids=["chapter-05-fsdp", "chapter-09-pp8-tp8"])
+def test_llama_405b_on_64_ranks_builds_as_planned_within_two_minutes(flags):
+    config_path = CHAPTERS["05"] / "llama-3.1-405b"
+    args = plan["get_parser"]().parse_args([str(config_path), "--nodes", "8", *map(str, flags)])
+    config = plan["load_config"](args.model)
+    layout = plan["pinned_layout"](args)
+    planned_layout = plan["plan_layout"](layout, config, plan["parameter_shapes"](config), args)
+    start = time.perf_counter()
+    failures, output = dry_run(args, config, layout, planned_layout)
+    assert not failures, output
+    assert time.perf_counter() - start < 120, output
+
+
+def test_llama_8b_layouts_build_at_8_ranks_as_planned():
+    config_path = PLANNER.parent / "configs" / "llama-3.1-8b"
+    for flags in (["--tp", 8], ["--tp", 2], ["--pp", 8], ["--cp", 4], ["--activation-checkpointing"]):
+        args, config, layout, planned_layout = planned(config_path, 8, *flags, seq_length=8192)
+        failures, output = dry_run(args, config, layout, planned_layout)
+        assert not failures, output
+
+
+# name: (model, ranks, flags, the start of the reason the chapter gives)
+UNWORKABLE = {
+    "heads-over-tp-3": ("llama", 3, ["--tp", 3],
+                        "tensor parallelism over 3 ranks splits sizes that do not divide"),
+    "experts-over-ep-3": ("moe", 3, ["--ep", 3], "--ep 3 does not divide the 4 experts of each layer"),
+    "replicas-over-4-ranks": ("llama", 4, ["--replicate-degree", 3], "--replicate-degree 3 does not divide the 4"),
+    "tp-with-cp": ("llama", 4, ["--tp", 2, "--cp", 2], "chapter 10's script does not take --tp; no chapter's"),
+    "v-schedule-micro-batches": ("llama", 2, ["--pp", 2, "--schedule", "dualpipev", "--num-microbatches", 2],
+                                 "--schedule dualpipev feeds micro-batches from both ends"),
+}
+
+
+@pytest.mark.parametrize("case", UNWORKABLE)
+def test_a_layout_that_cannot_work_is_refused_with_the_chapters_reason_by_the_plan_and_the_dry_run(case, models):
+    model, ranks, flags, reason = UNWORKABLE[case]
+    args, config, layout, planned_layout = planned(models[model], ranks, *flags)
+    assert planned_layout["reason"].startswith(reason) and not planned_layout["fits"]
+    failures, output = dry_run(args, config, layout, planned_layout)
+    assert failures == [planned_layout["reason"]] and planned_layout["reason"] in output
+    if case in ("experts-over-ep-3", "replicas-over-4-ranks"):
+        # the planner's own check says what the chapter's build says when it meets the same layout
+        with pytest.raises(SystemExit) as stop:
+            plan["build_rank"](layout, config, args, 0)
+        assert stop.value.code == f"error: {planned_layout['reason']}"
+
+
+@pytest.mark.parametrize("model", ["llama", "tied", "moe"])
+def test_flops_per_token_are_the_chapters_mfu_count(model, models):
+    config = transformers.AutoConfig.from_pretrained(models[model])
+    chapter = load_script(CHAPTERS["11" if model == "moe" else "04"] / "train_llm.py")
+    with torch.device("meta"):
+        built = transformers.AutoModelForCausalLM.from_config(config)
+    assert plan["flops_per_token"](config, plan["parameter_shapes"](config), 256) == \
+        chapter["training_flops_per_token"](built, config, 256)
+
+
+def test_json_lists_every_layout_with_its_fit_peak_step_time_and_command(models, tmp_path):
+    result = subprocess.run([sys.executable, PLANNER, models["llama"], "--nodes", "1", "--gpus-per-node", "4",
+                             "-s", "64", "--json"], capture_output=True, text=True, timeout=300,
+                            env=offline_env(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    layouts = json.loads(result.stdout)
+    chapters = {layout["layout"]["chapter"] for layout in layouts}
+    assert {"02", "04", "05", "06", "07", "08", "09", "10"} <= chapters
+    for layout in layouts:
+        assert {"layout", "fits", "peak_bytes_per_rank", "step_time_s", "command"} <= layout.keys()
+        assert {"dp", "tp", "pp", "cp", "ep"} <= layout["layout"].keys()
+        assert layout["fits"] == (layout["reason"] is None)
+        assert f"/train_llm.py -m {models['llama']} -s 64" in layout["command"]["torchrun"]
+    fitting = [layout for layout in layouts if layout["fits"]]
+    assert fitting and all(layout["step_time_s"] > 0 and layout["peak_bytes_per_rank"] > 0 for layout in fitting)
+    assert [layout["step_time_s"] for layout in fitting] == sorted(layout["step_time_s"] for layout in fitting)

@@ -42,32 +42,36 @@ GB = 1e9
 # ConnectX-6 HDR 200 Gb/s and ConnectX-7 NDR 400 Gb/s NICs, one per GPU as in DGX A100 / DGX H100 nodes;
 # PCIe 4.0 / 5.0 x16, 32 / 64 GB/s a direction, of which copies reach about 80%.
 GPUS = {
-    "a100": dict(memory_gb=80, peak_flops=312e12, intra_node_gbps=300, inter_node_gbps=25, pcie_gbps=25),
-    "h100": dict(memory_gb=80, peak_flops=989e12, intra_node_gbps=450, inter_node_gbps=50, pcie_gbps=50),
-    "h200": dict(memory_gb=141, peak_flops=989e12, intra_node_gbps=450, inter_node_gbps=50, pcie_gbps=50),
+    "a100": dict(memory_gb=80, peak_flops=312e12, intra_node_gb_per_s=300, inter_node_gb_per_s=25,
+                 pcie_gb_per_s=25),
+    "h100": dict(memory_gb=80, peak_flops=989e12, intra_node_gb_per_s=450, inter_node_gb_per_s=50,
+                 pcie_gb_per_s=50),
+    "h200": dict(memory_gb=141, peak_flops=989e12, intra_node_gb_per_s=450, inter_node_gb_per_s=50,
+                 pcie_gb_per_s=50),
 }
-SCHEDULES = {"08": ["gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"],
-             "09": ["gpipe", "1f1b", "interleaved-1f1b"]}
-SEVERAL_STAGES_PER_RANK = {"interleaved-1f1b", "interleaved-zb", "zbv", "dualpipev"}
+PIPELINES = ("08", "09")
 
 
 def main():
     args = get_parser().parse_args()
+    if args.dry_run and not pinned(args):
+        sys.exit("error: --dry-run builds one layout: pin it with its flags (--tp, --pp, --cp, --ep, ...)")
     config = load_config(args.model)
     shapes = parameter_shapes(config)
     layouts = [pinned_layout(args)] if pinned(args) else candidate_layouts(config, shapes, args)
     plans = [plan_layout(layout, config, shapes, args) for layout in layouts]
     plans.sort(key=lambda plan: (not plan["fits"], plan["step_time_s"] or math.inf,
                                  plan["peak_bytes_per_rank"] or math.inf))
-    if args.dry_run and not pinned(args):
-        sys.exit("error: --dry-run builds one layout: pin it with its flags (--tp, --pp, --cp, --ep, ...)")
     if args.json:
         print(json.dumps(plans, indent=1))
     else:
         print_plans(plans, config, shapes, args)
     if args.dry_run:
-        # (a layout that does not fit in memory still builds: the dry run checks what each rank would hold)
-        sys.exit(1 if dry_run(layouts[0], config, plans[0], args) else 0)
+        # (a layout that does not fit in memory still builds: the dry run checks what each rank would hold; with
+        # --json its lines go to stderr, so that stdout stays JSON)
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            failures = dry_run(layouts[0], config, plans[0], args)
+        sys.exit(1 if failures else 0)
     if pinned(args) and not plans[0]["fits"]:
         sys.exit(1)
 
@@ -86,11 +90,11 @@ def get_parser():
     cluster.add_argument("--headroom-gb", type=float, default=6.0,
                          help="GPU memory not available to tensors: CUDA context, NCCL buffers, fragmentation")
     cluster.add_argument("--peak-tflops", type=float, help="dense bf16 peak of one GPU (default: the preset's)")
-    cluster.add_argument("--intra-node-gbps", type=float, help="GB/s per GPU and direction inside a node")
-    cluster.add_argument("--inter-node-gbps", type=float, help="GB/s per GPU and direction across nodes")
+    cluster.add_argument("--intra-node-gb-per-s", type=float, help="GB/s per GPU and direction inside a node")
+    cluster.add_argument("--inter-node-gb-per-s", type=float, help="GB/s per GPU and direction across nodes")
     cluster.add_argument("--compute-efficiency", type=float, default=0.5,
                          help="the fraction of the peak that the matmuls reach (an assumption: see the README)")
-    cluster.add_argument("--host-adam-gbps", type=float, default=20.0,
+    cluster.add_argument("--host-adam-gb-per-s", type=float, default=20.0,
                          help="host memory GB/s that one rank's AdamW step on the CPU gets (--cpu-offload; an "
                               "assumption: a node's 8 ranks share its memory bandwidth)")
     batch = parser.add_argument_group("the batch")
@@ -107,7 +111,7 @@ def get_parser():
     layout.add_argument("--cp", type=int)
     layout.add_argument("--ep", type=int)
     layout.add_argument("--replicate-degree", type=int)
-    layout.add_argument("--schedule", choices=SCHEDULES["08"])
+    layout.add_argument("--schedule", help="a schedule that chapter 08 (all of torch's) or 09 takes")
     layout.add_argument("--num-microbatches", type=int, help="pipeline micro-batches a step (default: all rows)")
     layout.add_argument("--activation-checkpointing", action="store_true")
     layout.add_argument("--cpu-offload", action="store_true")
@@ -217,36 +221,42 @@ def pinned(args):
 
 
 def pinned_layout(args):
+    """The layout the flags pin, as asked: refusal() says what of it no chapter runs."""
     world = args.nodes * args.gpus_per_node
-    tp, pp, cp, ep = (getattr(args, name) or 1 for name in ("tp", "pp", "cp", "ep"))
-    chapter = args.chapter or default_chapter(world, tp, pp, cp, ep, args.activation_checkpointing)
-    schedule = args.schedule or ("1f1b" if chapter in SCHEDULES else None)
-    stages_per_rank = 2 if schedule in SEVERAL_STAGES_PER_RANK else 1
-    layout = Layout(chapter, world, tp, pp if chapter in ("08", "09") else 1, cp, ep,
-                    args.replicate_degree or 1, schedule, stages_per_rank, 1,
-                    args.activation_checkpointing, args.cpu_offload)
-    if chapter == "08":
-        layout = replace(layout, pp=world)
+    chapter = args.chapter or default_chapter(world, args)
+    schedule = args.schedule or ("1f1b" if chapter in PIPELINES else None)
+    layout = Layout(chapter, world, tp=args.tp or (world if chapter == "06" else 1),
+                    pp=args.pp or (world if chapter == "08" else 1), cp=args.cp or 1, ep=args.ep or 1,
+                    replicate_degree=args.replicate_degree or 1, schedule=schedule,
+                    stages_per_rank=2 if schedule in several_stages_per_rank() else 1,
+                    activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload)
     return replace(layout, num_microbatches=args.num_microbatches or default_microbatches(layout, args))
 
 
-def default_chapter(world, tp, pp, cp, ep, activation_checkpointing):
-    if pp > 1:
-        return "08" if pp == world else "09"
-    if cp > 1:
+def default_chapter(world, args):
+    """The chapter that teaches the pinned flags."""
+    if args.pp:
+        return "08" if args.pp == world and not args.tp else "09"
+    if args.cp:
         return "10"
-    if ep > 1:
+    if args.ep:
         return "11"
-    if tp > 1:
-        return "06" if tp == world else "07"
-    return "05" if activation_checkpointing else "04"
+    if args.tp:
+        return "06" if args.tp == world else "07"
+    return "05" if args.activation_checkpointing else "04"
 
 
 def default_microbatches(layout, args):
     """A pipeline takes all of its data-parallel group's rows of a step as micro-batches of -b rows."""
-    if layout.chapter not in SCHEDULES:
+    if layout.chapter not in PIPELINES or layout.world % (layout.tp * layout.pp * layout.cp):
         return 1
     return max(1, global_batch(layout, args) // (layout.dp * args.batch_size))
+
+
+def schedule_microbatches(layout, args):
+    """The micro-batches one schedule call runs: --num-microbatches times the accumulation steps (chapters 08
+    and 09 give the schedule all of them at once)."""
+    return max(layout.num_microbatches, global_batch(layout, args) // (layout.dp * args.batch_size))
 
 
 def global_batch(layout, args):
@@ -262,9 +272,8 @@ def candidate_layouts(config, shapes, args):
     """Every layout the chapters' scripts run on this many GPUs: tensor parallelism inside a node, HSDP with one
     copy per node, each schedule; the planner refuses those that cannot work, with the reason."""
     world, per_node = args.nodes * args.gpus_per_node, args.gpus_per_node
-    replicas = sorted({1, args.nodes} - {0}) if args.nodes > 1 else [1]
     layouts = [Layout("02", world)]
-    for replicate in replicas:
+    for replicate in sorted({1, args.nodes}):
         for offload in (False, True):
             layouts.append(Layout("04", world, replicate_degree=replicate, cpu_offload=offload))
             layouts.append(Layout("05", world, replicate_degree=replicate, cpu_offload=offload,
@@ -273,10 +282,11 @@ def candidate_layouts(config, shapes, args):
         layouts.append(Layout("06", world, tp=tp) if tp == world else Layout("07", world, tp=tp))
     for pp in divisors(world)[1:]:
         chapter = "08" if pp == world else "09"
-        for tp in [1] + ([t for t in divisors(per_node)[1:] if world % (t * pp) == 0] if chapter == "09" else []):
-            for schedule in SCHEDULES[chapter]:
+        tps = [1] + [tp for tp in divisors(per_node)[1:] if world % (tp * pp) == 0] if chapter == "09" else [1]
+        for tp in tps:
+            for schedule in schedules(chapter):
                 layouts.append(Layout(chapter, world, tp=tp, pp=pp, schedule=schedule,
-                                      stages_per_rank=2 if schedule in SEVERAL_STAGES_PER_RANK else 1))
+                                      stages_per_rank=2 if schedule in several_stages_per_rank() else 1))
     for cp in divisors(world)[1:]:
         layouts.append(Layout("10", world, cp=cp))
     if num_experts(config):
@@ -300,7 +310,7 @@ def chapter_module(chapter):
 
 def chapter_batch_size(layout, args):
     """The script's -b: one forward's rows, or with a pipeline the rows its micro-batches split."""
-    return args.batch_size * (layout.num_microbatches if layout.chapter in SCHEDULES else 1)
+    return args.batch_size * (layout.num_microbatches if layout.chapter in PIPELINES else 1)
 
 
 def chapter_flags(layout, args, model):
@@ -312,7 +322,7 @@ def chapter_flags(layout, args, model):
     flags += ["--activation-checkpointing"] if layout.activation_checkpointing else []
     flags += {"07": ["--tp", layout.tp], "09": ["--pp", layout.pp, "--tp", layout.tp],
               "10": ["--cp", layout.cp], "11": ["--ep", layout.ep]}.get(layout.chapter, [])
-    if layout.chapter in SCHEDULES:
+    if layout.chapter in PIPELINES:
         flags += ["--schedule", layout.schedule, "--num-microbatches", layout.num_microbatches]
     return [str(flag) for flag in flags]
 
@@ -322,40 +332,70 @@ def model_for_flags(model):
     return os.path.dirname(model) or "." if os.path.isfile(model) else model
 
 
-# What each chapter's script takes beyond data parallelism (chapter 06 and 08 split over all ranks).
-TAKES = {"02": set(), "04": {"--replicate-degree", "--cpu-offload"},
-         "05": {"--replicate-degree", "--cpu-offload", "--activation-checkpointing"},
-         "06": {"--tp"}, "07": {"--tp"}, "08": {"--pp"}, "09": {"--pp", "--tp"},
-         "10": {"--cp", "--replicate-degree", "--cpu-offload"},
-         "11": {"--ep", "--replicate-degree", "--cpu-offload"}}
+def parses(chapter, flags):
+    """Whether the chapter's argparse takes these flags."""
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            chapter_module(chapter).get_parser().parse_args(flags)
+    except SystemExit:
+        return False
+    return True
+
+
+@functools.cache
+def schedules(chapter):
+    """The schedules a pipeline chapter's script takes: chapter 08's, those its --schedule accepts."""
+    return [name for name in chapter_module("08").SCHEDULES if parses(chapter, ["--schedule", name])]
+
+
+@functools.cache
+def several_stages_per_rank():
+    return chapter_module("08").SEVERAL_STAGES_PER_RANK
+
+
+# A value of each layout flag, to ask a chapter's parser whether it takes the flag.
+LAYOUT_FLAGS = {"--tp": ["--tp", "2"], "--pp": ["--pp", "2"], "--cp": ["--cp", "2"], "--ep": ["--ep", "2"],
+                "--replicate-degree": ["--replicate-degree", "2"], "--cpu-offload": ["--cpu-offload"],
+                "--activation-checkpointing": ["--activation-checkpointing"],
+                "--schedule": ["--schedule", "1f1b"], "--num-microbatches": ["--num-microbatches", "2"]}
+
+
+@functools.cache
+def flags_taken(chapter):
+    return {flag for flag, example in LAYOUT_FLAGS.items() if parses(chapter, example)}
 
 
 def refusal(layout, config, args):
     """Why the layout cannot run, in the words of the chapter's own checks (None if it can)."""
     world, chapter = layout.world, layout.chapter
-    asked = {"--tp": layout.tp > 1, "--pp": layout.pp > 1, "--cp": layout.cp > 1, "--ep": layout.ep > 1,
-             "--replicate-degree": layout.replicate_degree > 1, "--cpu-offload": layout.cpu_offload,
-             "--activation-checkpointing": layout.activation_checkpointing}
-    untaken = [flag for flag, on in asked.items() if on and flag not in TAKES[chapter]]
+    # (chapters 06 and 08 split over all ranks without a flag)
+    asked = {"--tp": layout.tp > 1 and chapter != "06", "--pp": layout.pp > 1 and chapter != "08",
+             "--cp": layout.cp > 1, "--ep": layout.ep > 1, "--replicate-degree": layout.replicate_degree > 1,
+             "--cpu-offload": layout.cpu_offload, "--activation-checkpointing": layout.activation_checkpointing,
+             "--schedule": layout.schedule is not None, "--num-microbatches": layout.num_microbatches > 1}
+    untaken = [flag for flag, on in asked.items() if on and flag not in flags_taken(chapter)]
     own = None
     if untaken:
         wanted = {flag for flag, on in asked.items() if on}
-        takers = [other for other, takes in TAKES.items() if wanted <= takes]
+        takers = [other for other in sorted(CHAPTER_FOLDERS) if os.path.exists(
+            os.path.join(ROOT, CHAPTER_FOLDERS[other], "train_llm.py")) and wanted <= flags_taken(other)]
         other = f"chapter {takers[0]}'s does" if takers else f"no chapter's combines {', '.join(sorted(wanted))}"
         own = f"chapter {chapter}'s script does not take {', '.join(untaken)}; {other}"
-    elif chapter == "06" and layout.tp != world:
-        own = f"chapter 06 splits over all {world} ranks (--tp {layout.tp} with data parallelism is chapter 07's)"
+    elif chapter in ("06", "08") and (layout.tp if chapter == "06" else layout.pp) != world:
+        other, name = ("07", "--tp") if chapter == "06" else ("09", "--pp")
+        own = (f"chapter {chapter} splits over all {world} ranks ({name} with data parallelism is chapter "
+               f"{other}'s)")
     elif world % (layout.tp * layout.pp * layout.cp):
         own = (f"--tp {layout.tp} x --pp {layout.pp} x --cp {layout.cp} = {layout.tp * layout.pp * layout.cp} "
                f"does not divide the {world} ranks")
     elif world % layout.replicate_degree:
         own = (f"--replicate-degree {layout.replicate_degree} does not divide the {world} ranks; pass a divisor "
                "of the number of ranks, such as the number of nodes")
-    elif layout.ep > 1 and num_experts(config) % layout.ep:
-        own = (f"--ep {layout.ep} does not divide the {num_experts(config)} experts of each layer; pass a divisor "
-               "of the number of experts")
     elif layout.ep > 1 and not num_experts(config):
         own = f"{config.model_type} has no experts to split over --ep {layout.ep}"
+    elif layout.ep > 1 and num_experts(config) % layout.ep:
+        own = (f"--ep {layout.ep} does not divide the {num_experts(config)} experts of each layer; pass a "
+               "divisor of the number of experts")
     if own:
         return own
     module = chapter_module(chapter)
@@ -374,6 +414,7 @@ def refusal(layout, config, args):
             module.check_context_parallel_fits(chapter_args, config, world)
         elif chapter == "11":
             module.check_expert_parallel_fits(chapter_args, config, world)
+            module.expert_modules(meta_model(config))  # (experts in a form this chapter splits)
         module.fit_grad_accum_steps(chapter_args, layout.dp if chapter not in ("06", "08") else 1)
     except SystemExit as stop:
         return str(stop.code).removeprefix("error: ")
@@ -483,7 +524,7 @@ def activation_bytes_per_token(config, layout, compute_bytes):
     b, tp, h = compute_bytes, layout.tp, config.hidden_size
     q_dim = config.num_attention_heads * head_dim(config)
     kv_dim = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim(config)
-    inter, experts = config.intermediate_size, num_experts(config)
+    inter, experts = getattr(config, "intermediate_size", None) or 4 * h, num_experts(config)
     if experts:
         inter = (getattr(config, "moe_intermediate_size", None) or inter) * experts_per_token(config)
     norms = 2 * (4 + b) * h / tp + 2 * b * h
@@ -498,12 +539,12 @@ def activation_bytes_per_token(config, layout, compute_bytes):
     return per_layer, outside
 
 
-def layers_in_flight(layout, num_layers, pp_rank):
+def layers_in_flight(layout, num_layers, pp_rank, microbatches):
     """How many layers' activations of one micro-batch a rank holds at once: its stages' layers times the
     micro-batches its schedule keeps in flight there (GPipe all; 1F1B p - r on rank r; interleaved, torch's
     warm-up of (v-1)p + 2(p-1-r) + 1 stage passes; the V schedules about 1F1B's first rank on every rank, as
     chapter 08 measures)."""
-    p, m, v = layout.pp, layout.num_microbatches, layout.stages_per_rank
+    p, m, v = layout.pp, microbatches, layout.stages_per_rank
     if p == 1:
         return num_layers
     interleaved = min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1)
@@ -512,10 +553,11 @@ def layers_in_flight(layout, num_layers, pp_rank):
     return in_flight[layout.schedule] * num_layers / (p * v)
 
 
-def bubble(layout):
-    """The share of a step a pipeline rank idles (chapter 08): (p-1)/(m+p-1) for GPipe and 1F1B, ramps v times
-    shorter interleaved, a third of that with the split backward, none in the V schedules' ideal."""
-    p, m, v = layout.pp, layout.num_microbatches, layout.stages_per_rank
+def bubble(layout, microbatches):
+    """The share of a step a pipeline rank idles: (p-1)/(m+p-1) for GPipe and 1F1B, ramps v times shorter
+    interleaved (chapter 08); with the split backward, a third of that (our assumption; chapter 08 measures
+    12% against 16-18% at p 2, m 4), and none in the V schedules' ideal."""
+    p, m, v = layout.pp, microbatches, layout.stages_per_rank
     if p == 1:
         return 0.0
     return {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
@@ -528,17 +570,23 @@ def memory_per_rank(layout, config, shapes, args, rank):
     text, cd = text_config(config), compute_bytes(args)
     elements, tensors = rank_weights(layout, config, shapes, rank)
     memory = state_bytes(elements, tensors)
-    # One transformer block's weights as FSDP gathers them (the tensor-parallel slice, the ep rank's experts)
-    gathered = sum(unsharded_numel(name, shape, layout) for name, shape in shapes)
-    block = gathered / text.num_hidden_layers
+    # What FSDP gathers (the tensor-parallel slice, the ep rank's experts): a layer's weights, and the head's
+    layer = sum(unsharded_numel(name, shape, layout) for name, shape in shapes
+                if layer_of(name) is not None) / text.num_hidden_layers
+    head = max(unsharded_numel(name, shape, layout) for name, shape in shapes
+               if name.endswith(("embed_tokens.weight", "lm_head.weight")))
+    pp_rank = rank // (layout.world // layout.pp)
+    stages = stages_of_rank(layout, rank)
+    holds_head = layout.pp * layout.stages_per_rank - 1 in stages
     if layout.chapter == "09" and layout.dp > 1:
         # torch's pipelining keeps a stage's weights gathered and its fp32 gradients whole until the step's end
-        stage = gathered * layout.stages_per_rank / layout.pp
+        stage = layer * text.num_hidden_layers / layout.pp + (head if holds_head or 0 in stages else 0)
         memory.update(gathered_weights=cd * stage, gathered_gradients=4 * stage)
     elif layout.chapter in ("04", "05", "10", "11") or (layout.chapter == "07" and layout.dp > 1):
-        # the block computing and the next one arriving (and with --explicit-prefetch one more), in --dtype;
-        # in backward one block's full gradients in --dtype and, reduced in fp32, an fp32 copy
-        memory.update(gathered_weights=2 * cd * block, gathered_gradients=(cd + 4) * block)
+        # the layer computing and the next one arriving, or the head, which stays gathered from its forward to
+        # its backward; in backward a layer's (or the head's) whole gradients in --dtype, and reduced in fp32
+        memory.update(gathered_weights=cd * max(2 * layer, 2 * head),
+                      gathered_gradients=(cd + (4 if cd != 4 else 0)) * max(layer, head))
     elif cd != 4:
         memory["autocast_copies"] = cd * elements  # autocast's --dtype copy of each fp32 matmul weight
     per_layer, outside = activation_bytes_per_token(config, layout, cd)
@@ -547,9 +595,9 @@ def memory_per_rank(layout, config, shapes, args, rank):
         # a checkpointed block keeps its input; backward recomputes one block at a time
         layer_bytes = cd * text.hidden_size * text.num_hidden_layers + per_layer
     else:
-        pp_rank = rank // (layout.world // layout.pp)
-        layer_bytes = per_layer * layers_in_flight(layout, text.num_hidden_layers, pp_rank)
-    memory["activations"] = tokens * (layer_bytes + outside)
+        in_flight = layers_in_flight(layout, text.num_hidden_layers, pp_rank, schedule_microbatches(layout, args))
+        layer_bytes = per_layer * in_flight
+    memory["activations"] = tokens * (layer_bytes + (outside if holds_head else 16))
     return memory
 
 
@@ -567,34 +615,39 @@ def collectives_per_step(layout, config, shapes, args):
     scattered tensor and twice that for a sum (all-reduce)."""
     text, cd, world, per_node = text_config(config), compute_bytes(args), layout.world, args.gpus_per_node
     micro_steps = global_batch(layout, args) // (layout.dp * args.batch_size)  # forwards a rank runs a step
-    # a rank's weights before FSDP shards them (its stages' tensor-parallel slices, its ep rank's experts)
-    held = sum(unsharded_numel(name, shape, layout) for name, shape in shapes) * layout.stages_per_rank / layout.pp
     comm = {}
 
     def add(collective, link, size):
         comm.setdefault(collective, {}).setdefault(link, 0.0)
         comm[collective][link] += size
 
-    if layout.chapter == "02" and world > 1:
-        add("all_reduce (DDP gradients)", group_link(1, world, per_node), 2 * (world - 1) / world * 4 * held)
-    fsdp = None  # (stride, size) of the ranks FSDP shards a weight over
+    # a rank's weights before FSDP shards them: its stages' tensor-parallel slices and its ep rank's experts,
+    # as (elements, the FSDP group's rank stride and size, HSDP's copies)
+    expert = sum(unsharded_numel(name, shape, layout) for name, shape in shapes if is_expert(name))
+    dense = sum(unsharded_numel(name, shape, layout) for name, shape in shapes) - expert
+    groups = []
     if layout.chapter in ("07", "09"):
-        fsdp = (layout.tp, layout.dp)
-    elif layout.chapter in ("04", "05", "10", "11"):
-        fsdp = (1, world // layout.replicate_degree)
-    if fsdp and fsdp[1] > 1:
-        stride, n = fsdp
-        link, share = group_link(stride, n, per_node), (n - 1) / n
-        # the chapters' FSDP gathers each block for forward and again for backward, and reduce-scatters every
-        # micro-batch's gradients; under torch's pipelining (09) backward keeps them, reduced once a step
-        gathers, reduces = (1, 1) if layout.chapter == "09" else (2, micro_steps)
-        add("all_gather (FSDP weights)", link, gathers * micro_steps * cd * held * share)
-        add("reduce_scatter (FSDP gradients)", link, reduces * 4 * held * share)
-        if layout.replicate_degree > 1:
-            r = layout.replicate_degree
-            add("all_reduce (HSDP gradients)", group_link(n, r, per_node),
-                reduces * 2 * (r - 1) / r * 4 * held / n)
-    layers = text.num_hidden_layers * layout.stages_per_rank / layout.pp
+        groups = [(dense / layout.pp, layout.tp, layout.dp, 1)]
+    elif layout.chapter == "11":
+        groups = [(dense, 1, world // layout.replicate_degree, layout.replicate_degree),
+                  (expert, layout.ep, world // layout.ep, 1)]
+    elif layout.chapter in ("04", "05", "10"):
+        groups = [(dense + expert, 1, world // layout.replicate_degree, layout.replicate_degree)]
+    elif layout.chapter == "02" and world > 1:
+        add("all_reduce (DDP gradients)", group_link(1, world, per_node),
+            2 * (world - 1) / world * 4 * (dense + expert))
+    # The chapters' FSDP gathers each block for forward and again for backward, and reduce-scatters every
+    # micro-batch's gradients; under torch's pipelining (09) backward keeps them, reduced once a step.
+    gathers, reduces = (1, 1) if layout.chapter == "09" else (2, micro_steps)
+    for elements, stride, n, copies in groups:
+        if n > 1:
+            link, share = group_link(stride, n, per_node), (n - 1) / n
+            add("all_gather (FSDP weights)", link, gathers * micro_steps * cd * elements * share)
+            add("reduce_scatter (FSDP gradients)", link, reduces * 4 * elements * share)
+        if copies > 1:
+            add("all_reduce (HSDP gradients)", group_link(n, copies, per_node),
+                reduces * 2 * (copies - 1) / copies * 4 * elements / n)
+    layers = text.num_hidden_layers / layout.pp
     tokens = args.batch_size * args.seq_length
     if layout.tp > 1:
         link, share = group_link(1, layout.tp, per_node), (layout.tp - 1) / layout.tp
@@ -639,62 +692,72 @@ def flops_per_token(config, shapes, seq_length):
 
 
 def plan_layout(layout, config, shapes, args):
+    """What a layout holds, sends and costs, whether it fits, and its command (or why it cannot run)."""
     gpu = GPUS[args.gpu]
-    peak = args.peak_tflops * 1e12 if args.peak_tflops else gpu["peak_flops"]
-    bandwidth = {"intra_node": (args.intra_node_gbps or gpu["intra_node_gbps"]) * 1e9,
-                 "inter_node": (args.inter_node_gbps or gpu["inter_node_gbps"]) * 1e9}
     usable = ((args.gpu_memory_gb or gpu["memory_gb"]) - args.headroom_gb) * GB
-    plan = {"layout": {**asdict(layout), "dp": layout.dp}, "fits": False, "reason": refusal(layout, config, args),
-            "peak_bytes_per_rank": None, "step_time_s": None, "mfu": None, "command": commands(layout, args)}
-    if plan["reason"]:
+    reason = refusal(layout, config, args)
+    plan = {"layout": {**asdict(layout), "dp": layout.dp}, "refused": reason is not None, "fits": False,
+            "reason": reason, "peak_bytes_per_rank": None, "step_time_s": None, "mfu": None,
+            "command": commands(layout, args)}
+    if reason:
         return plan
     # The busiest rank sets the peak. Pipeline stages differ (the embedding, the head, the micro-batches in
     # flight), and within a stage the first of its ranks holds the first, largest shards of uneven splits.
     offloaded = ("weights", "gradients", "optimizer") if layout.cpu_offload else ()
-    on_device = {rank: memory_per_rank(layout, config, shapes, args, rank)
-                 for rank in range(0, layout.world, layout.world // layout.pp)}
-    busiest = max(on_device, key=lambda rank: sum(bytes_ for part, bytes_ in on_device[rank].items()
-                                                  if part not in offloaded))
-    memory = on_device[busiest]
-    peak_bytes = sum(size for part, size in memory.items() if part not in offloaded)
+    by_rank = {rank: memory_per_rank(layout, config, shapes, args, rank)
+               for rank in range(0, layout.world, layout.world // layout.pp)}
+    on_gpu = {rank: sum(bytes_ for part, bytes_ in memory.items() if part not in offloaded)
+              for rank, memory in by_rank.items()}
+    busiest = max(on_gpu, key=on_gpu.get)
+    memory, peak_bytes = by_rank[busiest], on_gpu[busiest]
+    host_bytes = args.gpus_per_node * sum(memory[part] for part in offloaded)
     comm = collectives_per_step(layout, config, shapes, args)
-    comm_time = {collective: sum(size / bandwidth[link] for link, size in by_link.items())
-                 for collective, by_link in comm.items()}
     step_tokens = global_batch(layout, args) * args.seq_length
     model_flops = flops_per_token(config, shapes, args.seq_length) * step_tokens
-    # activation checkpointing runs each forward twice: 8 FLOPs a weight and token instead of 6
-    rank_flops = model_flops / layout.world * (8 / 6 if layout.activation_checkpointing else 1)
-    compute = rank_flops / (peak * args.compute_efficiency)
-    idle = bubble(layout)
-    if layout.cpu_offload:
-        # FSDP copies each fp32 shard to the GPU for every gather and each gradient shard back; AdamW then reads
-        # 16 and writes 12 bytes an element in host memory, after the backward
-        elements = rank_weights(layout, config, shapes, busiest)[0]
-        micro_steps = global_batch(layout, args) // (layout.dp * args.batch_size)
-        comm_time["PCIe copies (FSDP offload)"] = micro_steps * 12 * elements / (gpu["pcie_gbps"] * 1e9)
-        comm_time["AdamW on the CPU (offload)"] = 28 * elements / (args.host_adam_gbps * 1e9)
-    # FSDP's and DDP's collectives and the offload's copies overlap the compute; the others wait on it
-    hidden = sum(time for collective, time in comm_time.items() if overlaps_compute(collective))
-    terms = {"compute": compute, "pipeline bubble": compute * idle / (1 - idle),
-             "data-parallel communication beyond the compute": max(0.0, hidden - compute),
-             **{collective: time for collective, time in comm_time.items()
-                if not overlaps_compute(collective)}}
+    terms = step_time_terms(layout, config, shapes, args, comm, model_flops, busiest)
     step_time = sum(terms.values())
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else gpu["peak_flops"]
     plan.update(
-        fits=peak_bytes <= usable, busiest_rank=busiest, peak_bytes_per_rank=peak_bytes,
-        memory_bytes_per_rank=memory, on_host=list(offloaded), usable_bytes_per_gpu=usable,
-        comm_bytes_per_step=comm, flops_per_step=model_flops, flops_per_rank=rank_flops, bubble=idle,
+        fits=peak_bytes <= usable and host_bytes <= args.host_memory_gb * GB, busiest_rank=busiest,
+        peak_bytes_per_rank=peak_bytes, memory_bytes_per_rank=memory, on_host=list(offloaded),
+        usable_bytes_per_gpu=usable, host_bytes_per_node=host_bytes, comm_bytes_per_step=comm,
+        flops_per_step=model_flops, bubble=bubble(layout, schedule_microbatches(layout, args)),
         step_time_s=step_time, step_time_terms_s=terms, dominant=max(terms, key=terms.get),
         mfu=model_flops / (step_time * layout.world * peak), tokens_per_s=step_tokens / step_time,
     )
-    host_bytes = args.gpus_per_node * sum(memory[part] for part in offloaded)
-    plan.update(host_bytes_per_node=host_bytes, fits=plan["fits"] and host_bytes <= args.host_memory_gb * GB)
     if peak_bytes > usable:
         plan["reason"] = f"does not fit: {size(peak_bytes)} a GPU at the peak of a step, {size(usable)} usable"
     elif not plan["fits"]:
         plan["reason"] = (f"does not fit: the offloaded states need {size(host_bytes)} of CPU memory a node, "
                           f"which has {size(args.host_memory_gb * GB)}")
     return plan
+
+
+def step_time_terms(layout, config, shapes, args, comm, model_flops, busiest):
+    """Seconds of a step, by what takes them: the compute (at --compute-efficiency of the peak), the pipeline
+    bubble, each collective that waits for the compute or it for them (tensor, context and expert parallel,
+    pipeline sends), FSDP's and DDP's only beyond the compute they overlap, and CPU offload's work."""
+    gpu = GPUS[args.gpu]
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else gpu["peak_flops"]
+    bandwidth = {"intra_node": (args.intra_node_gb_per_s or gpu["intra_node_gb_per_s"]) * 1e9,
+                 "inter_node": (args.inter_node_gb_per_s or gpu["inter_node_gb_per_s"]) * 1e9}
+    seconds = {collective: sum(bytes_ / bandwidth[link] for link, bytes_ in by_link.items())
+               for collective, by_link in comm.items()}
+    if layout.cpu_offload:
+        # FSDP copies each fp32 shard to the GPU for every gather and each gradient shard back; AdamW then reads
+        # 16 and writes 12 bytes an element in host memory, after the backward
+        elements = rank_weights(layout, config, shapes, busiest)[0]
+        micro_steps = global_batch(layout, args) // (layout.dp * args.batch_size)
+        seconds["PCIe copies (FSDP offload)"] = micro_steps * 12 * elements / (gpu["pcie_gb_per_s"] * 1e9)
+        seconds["AdamW on the CPU (offload)"] = 28 * elements / (args.host_adam_gb_per_s * 1e9)
+    # activation checkpointing runs each forward twice: 8 FLOPs a weight and token instead of 6
+    rank_flops = model_flops / layout.world * (8 / 6 if layout.activation_checkpointing else 1)
+    compute = rank_flops / (peak * args.compute_efficiency)
+    idle = bubble(layout, schedule_microbatches(layout, args))
+    overlapping = sum(time for collective, time in seconds.items() if overlaps_compute(collective))
+    return {"compute": compute, "pipeline bubble": compute * idle / (1 - idle),
+            "data-parallel communication beyond the compute": max(0.0, overlapping - compute),
+            **{collective: time for collective, time in seconds.items() if not overlaps_compute(collective)}}
 
 
 def overlaps_compute(collective):
@@ -746,17 +809,19 @@ def print_plans(plans, config, shapes, args):
     print(f"{type(meta_model(config)).__name__}, {total / 1e9:.2f}B parameters, on {args.nodes} nodes x "
           f"{args.gpus_per_node} {args.gpu.upper()} ({world} ranks); -s {args.seq_length}, -b {args.batch_size} "
           f"rows a forward, {args.global_batch_size or world * args.batch_size} sequences a step")
+    if len(plans) == 1:  # a pinned layout
+        print_plan(plans[0])
+        if not plans[0]["fits"]:
+            print(f"{'note' if args.dry_run else 'error'}: {describe(layout_of(plans[0]))}: {plans[0]['reason']}")
+        return
     fitting = [plan for plan in plans if plan["fits"]]
-    if len(plans) > 1:
-        print(f"{len(fitting)} of {len(plans)} layouts fit; the fastest {min(len(fitting), args.top)}:")
-    for plan in plans if len(plans) == 1 else fitting[:args.top]:
+    print(f"{len(fitting)} of {len(plans)} layouts fit; the fastest {min(len(fitting), args.top)}:")
+    for plan in fitting[:args.top]:
         print_plan(plan)
-    refused = [plan for plan in plans if not plan["fits"]]
-    for plan in refused if len(plans) == 1 else []:
-        print(f"{'note' if args.dry_run else 'error'}: {describe(layout_of(plan))}: {plan['reason']}")
-    if len(plans) > 1 and refused:
-        print(f"\n{len(refused)} do not fit or cannot run, e.g.:")
-        for plan in sorted(refused, key=lambda plan: plan["peak_bytes_per_rank"] or math.inf)[:args.top]:
+    others = [plan for plan in plans if not plan["fits"]]
+    if others:
+        print(f"\n{len(others)} do not fit or cannot run, e.g.:")
+        for plan in sorted(others, key=lambda plan: plan["peak_bytes_per_rank"] or math.inf)[:args.top]:
             print(f"  {describe(layout_of(plan))}: {plan['reason']}")
 
 
@@ -843,11 +908,14 @@ def build_rank(layout, config, args, rank):
 
 def dry_run(layout, config, plan, args):
     """Build the ranks asked for and hold what they hold against the plan; a list of the differences."""
-    if plan["reason"] and not plan["reason"].startswith("does not fit"):
+    if plan["refused"]:
         print(f"dry run: not built, the layout is refused: {plan['reason']}")
         return [plan["reason"]]
     shapes = parameter_shapes(config)
     ranks = args.dry_run_ranks or sorted({0, plan["busiest_rank"]})
+    if not all(0 <= rank < layout.world for rank in ranks):
+        sys.exit(f"error: --dry-run-ranks {' '.join(map(str, ranks))}: the layout has ranks 0 to "
+                 f"{layout.world - 1}")
     failures = []
     print(f"\ndry run of {describe(layout)} at {layout.world} ranks (fake process group, meta device):")
     for rank in ranks:

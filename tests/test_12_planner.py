@@ -123,14 +123,53 @@ UNWORKABLE = {
 def test_a_layout_that_cannot_work_is_refused_with_the_chapters_reason_by_the_plan_and_the_dry_run(case, models):
     model, ranks, flags, reason = UNWORKABLE[case]
     args, config, layout, planned_layout = planned(models[model], ranks, *flags)
-    assert planned_layout["reason"].startswith(reason) and not planned_layout["fits"]
+    assert planned_layout["reason"].startswith(reason) and planned_layout["refused"]
     failures, output = dry_run(args, config, layout, planned_layout)
     assert failures == [planned_layout["reason"]] and planned_layout["reason"] in output
-    if case in ("experts-over-ep-3", "replicas-over-4-ranks"):
-        # the planner's own check says what the chapter's build says when it meets the same layout
-        with pytest.raises(SystemExit) as stop:
-            plan["build_rank"](layout, config, args, 0)
-        assert stop.value.code == f"error: {planned_layout['reason']}"
+
+
+@pytest.mark.parametrize("case", ["experts-over-ep-3", "replicas-over-4-ranks"])
+def test_the_planners_own_checks_say_what_the_chapters_build_says(case, models):
+    model, ranks, flags, _ = UNWORKABLE[case]
+    args, config, layout, planned_layout = planned(models[model], ranks, *flags)
+    with pytest.raises(SystemExit) as stop:
+        plan["build_rank"](layout, config, args, 0)
+    assert stop.value.code == f"error: {planned_layout['reason']}"
+
+
+# flags that no chapter's script runs as given: refused with the reason, nothing planned on a wrong layout
+MISPINNED = {
+    "a-schedule-without-a-pipeline": (["--schedule", "zbv"], "chapter 04's script does not take --schedule; "
+                                                             "chapter 08's does"),
+    "more-stages-than-ranks": (["--pp", 16], "--tp 1 x --pp 16 x --cp 1 = 16 does not divide the 8 ranks"),
+    "a-pipeline-in-chapter-07": (["--tp", 2, "--pp", 2, "--chapter", "07"], "chapter 07's script does not take "
+                                                                            "--pp; chapter 09's does"),
+    "chapter-08-on-part-of-the-ranks": (["--pp", 4, "--chapter", "08"], "chapter 08 splits over all 8 ranks"),
+}
+
+
+@pytest.mark.parametrize("case", MISPINNED)
+def test_pinned_flags_no_chapter_runs_are_refused_not_replaced(case):
+    flags, reason = MISPINNED[case]
+    *_, planned_layout = planned(PLANNER.parent / "configs" / "llama-3.1-8b", 8, *flags)
+    assert planned_layout["refused"] and planned_layout["reason"].startswith(reason), planned_layout["reason"]
+
+
+def test_two_stages_a_rank_hold_and_send_what_one_stage_of_twice_the_layers_does():
+    config_path = PLANNER.parent / "configs" / "llama-3.1-8b"
+    one, two = (planned(config_path, 8, "--pp", 2, "--tp", 2, "--schedule", schedule, seq_length=4096)[3]
+                for schedule in ("1f1b", "interleaved-1f1b"))
+    for part in ("weights", "gathered_weights", "gathered_gradients"):
+        assert one["memory_bytes_per_rank"][part] == two["memory_bytes_per_rank"][part], part
+    for collective in ("all_gather (FSDP weights)", "all_gather + reduce_scatter (TP activations)"):
+        assert one["comm_bytes_per_step"][collective] == two["comm_bytes_per_step"][collective], collective
+
+
+def test_the_bubble_counts_every_micro_batch_of_the_accumulated_schedule():
+    # chapter 08 runs --num-microbatches x the accumulation steps in one schedule call: 8 x 4 = 32
+    *_, planned_layout = planned(PLANNER.parent / "configs" / "llama-3.1-8b", 8, "--pp", 8, "--schedule", "gpipe",
+                                 "--num-microbatches", 8, "--global-batch-size", 64)
+    assert planned_layout["bubble"] == pytest.approx(7 / (32 + 7))
 
 
 @pytest.mark.parametrize("model", ["llama", "tied", "moe"])

@@ -1,4 +1,6 @@
 """Will a layout fit? Per-GPU and per-node memory of train_llm.py for a model, before a job queues for hours.
+(This chapter's FSDP layouts; ../12-choosing-a-layout/plan.py plans every chapter's, tensor, pipeline, context
+and expert parallel too, and builds a layout in a dry run.)
 
     python plan_memory.py                       # Llama 3.1 405B (llama-3.1-405b/config.json) on 8 x 8 GPUs
     python plan_memory.py --cpu-offload --activation-checkpointing --explicit-prefetch -s 4096

@@ -89,7 +89,7 @@ def main():
     if peak_flops is not None:
         print(f"MFU is relative to {peak_flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of this GPU")
     eval_freq = args.eval_freq or args.ckpt_freq
-    running_loss = torch.tensor(state.window_loss_sum, device=device)
+    running_loss = torch.tensor(0.0, device=device)
     progress = tqdm(total=total_steps, initial=state.step, desc="training", disable=not sys.stderr.isatty())
     last_log_time, last_log_step = time.perf_counter(), state.step
     profiler = start_profiler(exp_dir, state.step, total_steps) if args.profile else None
@@ -120,12 +120,13 @@ def main():
         state.step += 1
         progress.update(1)
 
-        state.window_steps += 1
         stop = bool(stop_signals)
+        # A checkpoint step logs too: a checkpoint then holds no losses summed for a log line still to come.
+        checkpoint_now = stop or state.step % args.ckpt_freq == 0 or state.step == total_steps
         # The validation loss, at each checkpoint (or --eval-freq) and at the end, gets a log line of its own.
         evaluate_now = val_data is not None and (state.step % eval_freq == 0 or state.step == total_steps)
-        if state.step % args.log_freq == 0 or state.step == total_steps or evaluate_now:
-            mean_loss = running_loss.item() / state.window_steps
+        if state.step % args.log_freq == 0 or checkpoint_now or evaluate_now:
+            mean_loss = running_loss.item() / (state.step - last_log_step)
             tokens_per_s = tokens_per_step * (state.step - last_log_step) / (time.perf_counter() - last_log_time)
             metrics = {"step": state.step, "epoch": state.epoch, "loss": mean_loss, "grad_norm": grad_norm.item(),
                        "lr": step_lr, "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(device)}
@@ -138,12 +139,9 @@ def main():
             if wandb_run is not None:
                 wandb_run.log(metrics, step=state.step)
             running_loss.zero_()
-            state.window_steps = 0
             last_log_time, last_log_step = time.perf_counter(), state.step
 
-        if stop or state.step % args.ckpt_freq == 0 or state.step == total_steps:
-            state.window_loss_sum = running_loss.item()
-            exit_if_diverged(state.step, state.window_loss_sum, grad_norm.item())
+        if checkpoint_now:
             save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
         if profiler is not None:
             profiler.step()
@@ -390,13 +388,11 @@ def flags_a_relaunch_must_keep(args, global_batch_size):
 @dataclass
 class TrainState:
     """What state.json keeps besides the tensors: the data position (an epoch's order is a function of --seed
-    and the epoch alone), the loss summed since the last log line and over how many steps, the fixed flags."""
+    and the epoch alone) and the fixed flags."""
     fixed_flags: dict
     step: int = 0
     epoch: int = 0
     samples_in_epoch: int = 0
-    window_loss_sum: float = 0.0
-    window_steps: int = 0
 
 
 def next_global_batch(data, state, global_batch_size, seed):

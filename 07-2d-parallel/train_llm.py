@@ -137,7 +137,7 @@ def main():
         print(f"MFU is relative to {peak_flops / 1e12:.0f} TFLOP/s, the dense bf16 peak of this GPU")
     eval_freq = args.eval_freq or args.ckpt_freq
     stop = False
-    running_loss = torch.tensor(state.window_loss_sum, device=device)
+    running_loss = torch.tensor(0.0, device=device)
     progress = tqdm(total=total_steps, initial=state.step, desc="training",
                     disable=rank != 0 or not sys.stderr.isatty())
     last_log_time, last_log_step = time.perf_counter(), state.step
@@ -183,14 +183,15 @@ def main():
         state.step += 1
         progress.update(1)
 
-        state.window_steps += 1
+        # A checkpoint step logs too: a checkpoint then holds no losses summed for a log line still to come.
+        checkpoint_now = state.step % args.ckpt_freq == 0 or state.step == total_steps
         # The validation loss, at each checkpoint (or --eval-freq) and at the end, gets a log line of its own.
         evaluate_now = val_data is not None and (state.step % eval_freq == 0 or state.step == total_steps)
-        if state.step % args.log_freq == 0 or state.step == total_steps or evaluate_now:
+        if state.step % args.log_freq == 0 or checkpoint_now or evaluate_now:
             # NOTE: one all-reduce per log step sums the ranks' losses (their mean is the global batch's) and
             # stop votes: a signal may reach one rank only, and all must stop after the same log step.
             (loss_sum,), stop = all_reduce_sums_and_stop_votes([running_loss], stop_signals)
-            mean_loss = loss_sum / world_size / state.window_steps
+            mean_loss = loss_sum / world_size / (state.step - last_log_step)
             tokens_per_s = tokens_per_step * (state.step - last_log_step) / (time.perf_counter() - last_log_time)
             metrics = {"step": state.step, "epoch": state.epoch, "loss": mean_loss, "grad_norm": grad_norm.item(),
                        "lr": step_lr, "tokens_per_s": tokens_per_s, "peak_memory_gb": peak_memory_gb(device)}
@@ -205,14 +206,9 @@ def main():
             if wandb_run is not None:
                 wandb_run.log(metrics, step=state.step)
             running_loss.zero_()
-            state.window_steps = 0
             last_log_time, last_log_step = time.perf_counter(), state.step
 
-        if stop or state.step % args.ckpt_freq == 0 or state.step == total_steps:
-            # The window's losses are this rank's; the checkpoint keeps their mean over ranks.
-            dist.all_reduce(running_loss, op=dist.ReduceOp.AVG)
-            state.window_loss_sum = running_loss.item()
-            exit_if_diverged(state.step, state.window_loss_sum, grad_norm.item())
+        if stop or checkpoint_now:
             # Each rank holds different slices, so every rank writes its own part of the checkpoint.
             save_checkpoint(exp_dir, state, param_shapes, model, optimizer, lr_schedule)
         if profiler is not None:
@@ -617,13 +613,11 @@ def flags_a_relaunch_must_keep(args, global_batch_size):
 @dataclass
 class TrainState:
     """What state.json keeps besides the tensors: the data position (an epoch's order is a function of --seed
-    and the epoch alone), the loss summed since the last log line and over how many steps, the fixed flags."""
+    and the epoch alone) and the fixed flags."""
     fixed_flags: dict
     step: int = 0
     epoch: int = 0
     samples_in_epoch: int = 0
-    window_loss_sum: float = 0.0
-    window_steps: int = 0
 
 
 def next_global_batch(data, state, global_batch_size, seed):

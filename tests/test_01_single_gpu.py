@@ -307,16 +307,21 @@ def assert_fails_with_one_line(run, message, cost):
     assert cost["wall"] < 150, f"took {cost['wall']:.0f} s to fail"
 
 
-def test_resumed_metrics_equal_the_uninterrupted_ones_line_for_line(common_args, launch_once, tmp_path):
-    """Stopped at step 4, inside the logging window of steps 4-6: the resumed run's step-6 line must average
-    the same three losses as the uninterrupted run's."""
-    args = [*common_args, *EXACT, "--log-freq", 3, "--eval-freq", 1000]  # (a validation loss at the end only)
+def test_a_stop_between_log_steps_logs_each_step_once_across_the_resume(common_args, launch_once, tmp_path):
+    """Stopped after step 5, between log steps (chapter 01 stops at once): the stop's own line logs step 5 and
+    its checkpoint keeps no losses, so the resumed run's step-6 line logs step 6 alone. Together they give the
+    mean of the uninterrupted run's step-6 line (steps 5 and 6); every other line is the uninterrupted run's."""
+    args = [*common_args, "--max-steps", 8, "--ckpt-freq", 4, "--log-freq", 3, "--eval-freq", 1000]
     uninterrupted = launch_once("01", args)
-    stopped = interrupted(tmp_path, args, "sigterm", after_step=4)
+    assert [m["step"] for m in uninterrupted.metrics] == [3, 4, 6, 8]  # (a checkpoint step logs too)
+    stopped = interrupted(tmp_path, args, "sigterm", after_step=5)
     assert stopped.returncode == 1
     resumed = run_chapter("01", args, tmp_path, experiment="interrupted")
-    assert [m["step"] for m in resumed.metrics] == [3, 6, 8]
-    assert without_timing(resumed.metrics) == without_timing(uninterrupted.metrics)
+    by_step = {m["step"]: m for m in without_timing(resumed.metrics)}
+    expected = {m["step"]: m for m in without_timing(uninterrupted.metrics)}
+    assert list(by_step) == [3, 4, 5, 6, 8]
+    assert [by_step[step] for step in (3, 4, 8)] == [expected[step] for step in (3, 4, 8)]
+    assert (by_step[5]["loss"] + by_step[6]["loss"]) / 2 == pytest.approx(expected[6]["loss"], rel=1e-6)
 
 
 def test_ctrl_c_stops_like_sigterm_a_relaunch_continues_bitwise_and_a_second_one_stops_at_once(

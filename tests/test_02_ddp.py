@@ -228,8 +228,10 @@ def test_ranks_agree_on_a_stop_at_log_steps_without_a_collective_every_step(comm
         # would make every step wait; step 0 is the setup (data, checkpoint search).
         assert sorted(int(step) for step in by_step) == [0, 5, 10], by_step
         assert by_step["5"] == ["all_reduce"]
-        # The last step: its log line's all-reduce, then the checkpoint's (the logging window).
+        # The last step: the all-reduces of its log line and of its validation loss, then the checkpoint's object
+        # collectives, and no all-reduce of losses for the checkpoint (a checkpoint step logs: none are pending).
         assert by_step["10"][:2] == ["all_reduce", "all_reduce"], by_step
+        assert "all_reduce" not in by_step["10"][2:], by_step
 
     stopped = launch_once("02", [*common_args, "-b", 8, "--max-steps", 15, "--log-freq", 5], nproc=2,
                           expect_ok=False, script=INJECT, env=inject_env("02", "sigterm", rank=1, after_step=7))
@@ -238,10 +240,11 @@ def test_ranks_agree_on_a_stop_at_log_steps_without_a_collective_every_step(comm
 
 
 def test_resumed_metrics_equal_the_uninterrupted_ones_line_for_line(common_args, launch_once, tmp_path):
-    """A checkpoint at step 3 falls inside a logging window (steps 1-4): the resumed run's step-4 line must
-    average the same four losses as the uninterrupted run's."""
+    """A checkpoint at step 3 falls between the log steps of --log-freq 4: it logs steps 1-3 itself, so the
+    resumed run's step-4 line averages step 4 alone, as the uninterrupted run's does."""
     args = [*common_args, "-b", 8, "--max-steps", 8, "--log-freq", 4, "--ckpt-freq", 3, "--eval-freq", 1000]
     uninterrupted = launch_once("02", args, nproc=2)
+    assert [m["step"] for m in uninterrupted.metrics] == [3, 4, 6, 8]
     crashed = run_chapter("02", args, tmp_path, nproc=2, expect_ok=False, script=INJECT,
                           env=inject_env("02", "raise", rank=1, after_step=5))
     assert crashed.returncode != 0 and os.listdir(crashed.exp_dir / "checkpoints") == ["step-00000003"]

@@ -120,7 +120,7 @@ def test_a_tokenizer_beyond_the_embedding_gives_every_rank_one_line(tmp_path):
 
 
 # chapter: (processes, layout flags, the rank whose weights turn NaN after step 3, --log-freq). With --log-freq 1
-# the step-4 log line finds the NaN loss; with 10 no line is due, and the step-4 checkpoint must find it.
+# the step-4 log line finds the NaN loss; with 10 the step-4 checkpoint's log line (every checkpoint step logs).
 DIVERGING = {
     "01": (None, [], 0, 1),
     "02": (2, [], 1, 10),

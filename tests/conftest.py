@@ -88,9 +88,10 @@ CLUSTER_FILES = {"test_03_launchers.py", "test_diagnosing_errors.py", "test_prac
 
 def worker_unit(nodeid):
     """What one pytest-xdist worker runs in one go: a test file, so that its module fixtures start once; the
-    files that use the practice cluster together; the README commands apart."""
+    files that use the practice cluster together; each README's commands apart, in their order (a command may
+    use what the one above it wrote), so that both workers share the README commands at the end."""
     if "::test_readme_command_runs[" in nodeid:
-        return "README commands"
+        return "README commands: " + nodeid.split("::test_readme_command_runs[")[1].split(": ")[0]
     file = Path(nodeid.split("::")[0]).name
     return "practice cluster" if file in CLUSTER_FILES else file
 

@@ -69,4 +69,4 @@ def test_every_file_that_brings_up_a_cluster_runs_on_one_worker_after_the_other(
     assert users == CLUSTER_FILES
     assert {worker_unit(f"tests/{name}::test_something") for name in users} == {"practice cluster"}
     readme_command = "tests/test_docs.py::test_readme_command_runs[README.md: python x.py]"
-    assert worker_unit(readme_command) == "README commands"
+    assert worker_unit(readme_command) == "README commands: README.md"

@@ -42,7 +42,7 @@ CHAPTER_DIFFS = {
     # Expert parallelism shards the experts before FSDP's groups, builds a Mixtral by default, and counts only
     # the experts a token passes through in the MFU's FLOPs.
     ("04", "11"): (318, {"main", "get_parser", "build_model", "shard_model", "load_config_and_tokenizer",
-                         "training_flops_per_token", "TrainState", "flags_a_relaunch_must_keep"}),
+                         "training_flops_per_token", "flags_a_relaunch_must_keep"}),
 }
 # chapter: (the chapter whose text these functions must be, the functions)
 BORROWED = {"06": ("04", {"save_checkpoint", "load_checkpoint", "export_hf"})}

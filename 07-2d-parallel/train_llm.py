@@ -266,6 +266,8 @@ def tensor_parallelize(model, tp_mesh):
     """
     # Each block does one all-gather (sequence slices -> whole sequence) before its column-wise matmuls and one
     # reduce-scatter (partial sums -> summed sequence slices) after its row-wise matmul, twice a layer.
+    # The gathered input stays a DTensor into q, k and v (gate and up): backward adds their partial input
+    # gradients, then reduce-scatters once. As local tensors each would be all-reduced on its own (5 a layer).
     plan = {
         # Vocabulary-parallel embedding: rank r holds rows [r*V/N, (r+1)*V/N); each token's vector comes from
         # the rank that holds its row (the others add zeros) in the reduce-scatter. The output stays a DTensor
@@ -277,7 +279,6 @@ def tensor_parallelize(model, tp_mesh):
         "model.layers.*.self_attn": PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
-            use_local_output=True,
         ),
         "model.layers.*.self_attn.q_proj": ColwiseParallel(),
         "model.layers.*.self_attn.k_proj": ColwiseParallel(),
@@ -285,7 +286,7 @@ def tensor_parallelize(model, tp_mesh):
         "model.layers.*.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "model.layers.*.post_attention_layernorm": SequenceParallel(),
         "model.layers.*.mlp": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
         ),
         "model.layers.*.mlp.gate_proj": ColwiseParallel(),
         "model.layers.*.mlp.up_proj": ColwiseParallel(),

@@ -637,12 +637,17 @@ def collectives_per_step(layout, config, shapes, args):
         add("all_reduce (DDP gradients)", group_link(1, world, per_node),
             2 * (world - 1) / world * 4 * (dense + expert))
     # The chapters' FSDP gathers each block for forward and again for backward, and reduce-scatters every
-    # micro-batch's gradients; under torch's pipelining (09) backward keeps them, reduced once a step.
+    # micro-batch's gradients; under torch's pipelining (09) backward keeps them, reduced once a step. The head
+    # and the root's weights (the final norm, a tied embedding; in 07 the embedding too) stay gathered from
+    # forward to backward: one all-gather a micro-batch.
     gathers, reduces = (1, 1) if layout.chapter == "09" else (2, micro_steps)
-    for elements, stride, n, copies in groups:
+    once = sum(unsharded_numel(name, shape, layout) for name, shape in shapes if layer_of(name) is None
+               and not (name.endswith("embed_tokens.weight") and layout.chapter != "07" and not is_tied(config)))
+    for index, (elements, stride, n, copies) in enumerate(groups):
         if n > 1:
             link, share = group_link(stride, n, per_node), (n - 1) / n
-            add("all_gather (FSDP weights)", link, gathers * micro_steps * cd * elements * share)
+            gathered = gathers * elements - (once if gathers == 2 and index == 0 else 0)
+            add("all_gather (FSDP weights)", link, micro_steps * cd * gathered * share)
             add("reduce_scatter (FSDP gradients)", link, reduces * 4 * elements * share)
         if copies > 1:
             add("all_reduce (HSDP gradients)", group_link(n, copies, per_node),
@@ -652,16 +657,20 @@ def collectives_per_step(layout, config, shapes, args):
     if layout.tp > 1:
         link, share = group_link(1, layout.tp, per_node), (layout.tp - 1) / layout.tp
         # a layer's 2 all-gathers and 2 reduce-scatters of [b, s, hidden] forward, the same backward; the
-        # embedding's and the head's; loss_parallel's 3 all-reduces of one number a token
+        # embedding's and the head's 2 each (on the first and the last stage); loss_parallel's 3 all-reduces
+        # of one number a token
+        last = layout.pp * layout.stages_per_rank - 1
+        ends = max(2 * (0 in stages) + 2 * (last in stages)
+                   for stages in (stages_of_rank(layout, r * (world // layout.pp)) for r in range(layout.pp)))
         add("all_gather + reduce_scatter (TP activations)", link,
-            micro_steps * (8 * layers + 4) * tokens * text.hidden_size * cd * share)
+            micro_steps * (8 * layers + ends) * tokens * text.hidden_size * cd * share)
         add("all_reduce (TP loss)", link, micro_steps * 3 * 2 * share * tokens * 4)
     if layout.pp > 1:
         # each stage sends its output forward and its input's gradient back, per micro-batch (08: fp32, 09: the
-        # tensor-parallel slice in --dtype)
+        # tensor-parallel slice in --dtype), to a neighbour on another rank: the busiest rank's count
         message = tokens / layout.tp * text.hidden_size * (4 if layout.chapter == "08" else cd)
         add("send/recv (pipeline)", group_link(world // layout.pp, layout.pp, per_node),
-            micro_steps * 2 * layout.stages_per_rank * message)
+            micro_steps * max(map(pipeline_sends, [layout] * layout.pp, range(layout.pp))) * message)
     if layout.cp > 1:
         kv_dim = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim(config)
         local = tokens / layout.cp * kv_dim * cd
@@ -674,6 +683,16 @@ def collectives_per_step(layout, config, shapes, args):
         add("all_to_all (EP tokens)", group_link(1, layout.ep, per_node),
             micro_steps * text.num_hidden_layers * 4 * routed * (layout.ep - 1) / layout.ep)
     return comm
+
+
+def pipeline_sends(layout, pp_rank):
+    """Messages a pipeline rank sends a micro-batch: each of its stages' outputs but the last stage's, each of
+    their input gradients but the first stage's, where the neighbouring stage sits on another rank (a V's turn
+    stays on its rank)."""
+    stages = stages_of_rank(layout, pp_rank * (layout.world // layout.pp))
+    last = layout.pp * layout.stages_per_rank - 1
+    return sum((stage < last and stage + 1 not in stages) + (stage > 0 and stage - 1 not in stages)
+               for stage in stages)
 
 
 def flops_per_token(config, shapes, seq_length):

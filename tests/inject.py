@@ -51,6 +51,10 @@ INJECT=all-gathers    at exit, print "rank r: all_gathers {json}": the all-gathe
 INJECT=saved-activations  at exit, print "rank r: saved_activation_bytes N": the most bytes that autograd
                       held for backward at once in training (tensors saved by the forward, not the weights):
                       what a pipeline schedule's order of forwards and backwards costs in activation memory
+INJECT=collective-bytes  at exit, print "rank r: collective_bytes {json}": every collective this rank ran, by
+                      optimizer step (1 = the first): [op, group size, bytes in, bytes out] each, seen where torch
+                      dispatches it (c10d's ops, also those DDP's reducer and FSDP run, and the functional ones
+                      that DTensor runs), for chapter 12's count of what a layout sends
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -382,6 +386,49 @@ elif what == "all-to-all-bytes":
         lambda module, inputs: in_training_mode.__setitem__(0, module.training))
     register_optimizer_step_post_hook(count_steps)
     report_at_exit(lambda: f"all_to_all_bytes {json.dumps(sent_by_step)}")
+elif what == "collective-bytes":
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ran_by_step = {}
+
+    def group_size(args):
+        """The size of the group a collective runs on: a ProcessGroup argument (c10d's ops) or a group's name
+        (the functional ops; no public call maps a name to its group)."""
+        for arg in args:
+            if isinstance(arg, torch.ScriptObject) and arg._type().name() == "ProcessGroup":
+                return dist.ProcessGroup.unbox(arg).size()
+        return _resolve_process_group(next(arg for arg in reversed(args) if isinstance(arg, str))).size()
+
+    def tensor_bytes(arg):
+        if isinstance(arg, (list, tuple)):
+            return sum(map(tensor_bytes, arg))
+        return arg.numel() * arg.element_size() if torch.is_tensor(arg) else 0
+
+    # c10d's ops that take (outputs, inputs, group, ...); the others reduce, broadcast or send in place
+    OUTPUT_FIRST = ("_allgather_base_", "allgather_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_",
+                    "reduce_scatter_", "reduce_scatter_tensor_coalesced_", "alltoall_base_", "alltoall_")
+
+    class CountCollectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(kind, DTensor) for kind in types):
+                return NotImplemented  # DTensor runs the op with this mode still on: its collectives count too
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            if func.namespace == "c10d" or (func.namespace == "_c10d_functional" and
+                                            not name.startswith(("wait", "_wrap"))):
+                if func.namespace == "_c10d_functional":
+                    sizes = tensor_bytes(args[0]), tensor_bytes(out)
+                elif name in OUTPUT_FIRST:
+                    sizes = tensor_bytes(args[1]), tensor_bytes(args[0])
+                else:
+                    sizes = tensor_bytes(args[0]), tensor_bytes(args[0])
+                ran_by_step.setdefault(steps_done + 1, []).append([name, group_size(args), *sizes])
+            return out
+
+    CountCollectives().__enter__()
+    register_optimizer_step_post_hook(count_steps)
+    report_at_exit(lambda: f"collective_bytes {json.dumps(ran_by_step)}")
 elif what == "saved-activations":
     from torch.nn import Parameter
 

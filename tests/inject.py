@@ -54,7 +54,8 @@ INJECT=saved-activations  at exit, print "rank r: saved_activation_bytes N": the
 INJECT=collective-bytes  at exit, print "rank r: collective_bytes {json}": every collective this rank ran, by
                       optimizer step (1 = the first): [op, group size, bytes in, bytes out] each, seen where torch
                       dispatches it (c10d's ops, also those DDP's reducer and FSDP run, and the functional ones
-                      that DTensor runs), for chapter 12's count of what a layout sends
+                      that DTensor runs), for chapter 12's count of what a layout sends (not chapter 10: torch's
+                      CausalBias, a tensor subclass, cannot be made under a dispatch mode)
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 

@@ -621,32 +621,32 @@ def collectives_per_step(layout, config, shapes, args):
         comm.setdefault(collective, {}).setdefault(link, 0.0)
         comm[collective][link] += size
 
-    # a rank's weights before FSDP shards them: its stages' tensor-parallel slices and its ep rank's experts,
-    # as (elements, the FSDP group's rank stride and size, HSDP's copies)
+    # a rank's weights before FSDP shards them: its stages' tensor-parallel slices and its ep rank's experts
     expert = sum(unsharded_numel(name, shape, layout) for name, shape in shapes if is_expert(name))
     dense = sum(unsharded_numel(name, shape, layout) for name, shape in shapes) - expert
-    groups = []
+    # The head and the root's weights (the final norm, a tied embedding; in 07 the embedding too) stay
+    # gathered from forward to backward: one all-gather a micro-batch, where FSDP gathers a block twice
+    own_group = ("embed_tokens.weight",) if layout.chapter != "07" and not is_tied(config) else ()
+    once = sum(unsharded_numel(name, shape, layout) for name, shape in shapes
+               if layer_of(name) is None and not name.endswith(own_group))
+    groups = []  # (elements, of them gathered once, the FSDP group's rank stride and size, HSDP's copies)
     if layout.chapter in ("07", "09"):
-        groups = [(dense / layout.pp, layout.tp, layout.dp, 1)]
+        groups = [(dense / layout.pp, once if layout.chapter == "07" else 0, layout.tp, layout.dp, 1)]
     elif layout.chapter == "11":
-        groups = [(dense, 1, world // layout.replicate_degree, layout.replicate_degree),
-                  (expert, layout.ep, world // layout.ep, 1)]
+        groups = [(dense, once, 1, world // layout.replicate_degree, layout.replicate_degree),
+                  (expert, 0, layout.ep, world // layout.ep, 1)]
     elif layout.chapter in ("04", "05", "10"):
-        groups = [(dense + expert, 1, world // layout.replicate_degree, layout.replicate_degree)]
+        groups = [(dense + expert, once, 1, world // layout.replicate_degree, layout.replicate_degree)]
     elif layout.chapter == "02" and world > 1:
         add("all_reduce (DDP gradients)", group_link(1, world, per_node),
             2 * (world - 1) / world * 4 * (dense + expert))
     # The chapters' FSDP gathers each block for forward and again for backward, and reduce-scatters every
-    # micro-batch's gradients; under torch's pipelining (09) backward keeps them, reduced once a step. The head
-    # and the root's weights (the final norm, a tied embedding; in 07 the embedding too) stay gathered from
-    # forward to backward: one all-gather a micro-batch.
+    # micro-batch's gradients; under torch's pipelining (09) backward keeps them, reduced once a step.
     gathers, reduces = (1, 1) if layout.chapter == "09" else (2, micro_steps)
-    once = sum(unsharded_numel(name, shape, layout) for name, shape in shapes if layer_of(name) is None
-               and not (name.endswith("embed_tokens.weight") and layout.chapter != "07" and not is_tied(config)))
-    for index, (elements, stride, n, copies) in enumerate(groups):
+    for elements, gathered_once, stride, n, copies in groups:
         if n > 1:
             link, share = group_link(stride, n, per_node), (n - 1) / n
-            gathered = gathers * elements - (once if gathers == 2 and index == 0 else 0)
+            gathered = gathers * elements - gathered_once
             add("all_gather (FSDP weights)", link, micro_steps * cd * gathered * share)
             add("reduce_scatter (FSDP gradients)", link, reduces * 4 * elements * share)
         if copies > 1:
@@ -654,14 +654,14 @@ def collectives_per_step(layout, config, shapes, args):
                 reduces * 2 * (copies - 1) / copies * 4 * elements / n)
     layers = text.num_hidden_layers / layout.pp
     tokens = args.batch_size * args.seq_length
+    stages_by_pp_rank = [stages_of_rank(layout, r * (world // layout.pp)) for r in range(layout.pp)]
+    last_stage = layout.pp * layout.stages_per_rank - 1
     if layout.tp > 1:
         link, share = group_link(1, layout.tp, per_node), (layout.tp - 1) / layout.tp
         # a layer's 2 all-gathers and 2 reduce-scatters of [b, s, hidden] forward, the same backward; the
         # embedding's and the head's 2 each (on the first and the last stage); loss_parallel's 3 all-reduces
         # of one number a token
-        last = layout.pp * layout.stages_per_rank - 1
-        ends = max(2 * (0 in stages) + 2 * (last in stages)
-                   for stages in (stages_of_rank(layout, r * (world // layout.pp)) for r in range(layout.pp)))
+        ends = max(2 * (0 in stages) + 2 * (last_stage in stages) for stages in stages_by_pp_rank)
         add("all_gather + reduce_scatter (TP activations)", link,
             micro_steps * (8 * layers + ends) * tokens * text.hidden_size * cd * share)
         add("all_reduce (TP loss)", link, micro_steps * 3 * 2 * share * tokens * 4)
@@ -670,7 +670,13 @@ def collectives_per_step(layout, config, shapes, args):
         # tensor-parallel slice in --dtype), to a neighbour on another rank: the busiest rank's count
         message = tokens / layout.tp * text.hidden_size * (4 if layout.chapter == "08" else cd)
         add("send/recv (pipeline)", group_link(world // layout.pp, layout.pp, per_node),
-            micro_steps * max(map(pipeline_sends, [layout] * layout.pp, range(layout.pp))) * message)
+            micro_steps * max(pipeline_sends(stages, last_stage) for stages in stages_by_pp_rank) * message)
+        if is_tied(config) and last_stage not in stages_by_pp_rank[0]:
+            # the first and the last stage each hold the tied matrix: its fp32 gradient is summed once a step
+            # (09: each rank's FSDP shard of its tensor-parallel slice); a V holds both on one rank
+            shards = layout.tp * (layout.dp if layout.chapter == "09" else 1)
+            add("all_reduce (tied embedding gradient)", group_link((layout.pp - 1) * (world // layout.pp), 2,
+                per_node), 4 * text.vocab_size * text.hidden_size / shards)
     if layout.cp > 1:
         kv_dim = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim(config)
         local = tokens / layout.cp * kv_dim * cd
@@ -685,13 +691,11 @@ def collectives_per_step(layout, config, shapes, args):
     return comm
 
 
-def pipeline_sends(layout, pp_rank):
-    """Messages a pipeline rank sends a micro-batch: each of its stages' outputs but the last stage's, each of
-    their input gradients but the first stage's, where the neighbouring stage sits on another rank (a V's turn
-    stays on its rank)."""
-    stages = stages_of_rank(layout, pp_rank * (layout.world // layout.pp))
-    last = layout.pp * layout.stages_per_rank - 1
-    return sum((stage < last and stage + 1 not in stages) + (stage > 0 and stage - 1 not in stages)
+def pipeline_sends(stages, last_stage):
+    """Messages a pipeline rank that holds `stages` sends a micro-batch: each stage's output but the last
+    stage's, each input gradient but the first stage's, where the neighbouring stage sits on another rank (a
+    V's turn stays on its rank)."""
+    return sum((stage < last_stage and stage + 1 not in stages) + (stage > 0 and stage - 1 not in stages)
                for stage in stages)
 
 

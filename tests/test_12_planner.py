@@ -3,6 +3,7 @@ full world size on the meta device, under torch's fake process group), for every
 MoE and tied, at 2-8 ranks and at Llama 3.1 405B's 64; what it says a rank sends in a step is what the
 chapters' collectives move (counted in real runs); a layout that cannot work is refused with the chapter's
 reason; its FLOPs are the chapters' MFU count; its JSON lists every layout with what a script needs."""
+import collections
 import contextlib
 import io
 import json
@@ -108,40 +109,58 @@ def test_llama_8b_layouts_build_at_8_ranks_as_planned():
         assert not failures, output
 
 
-def bytes_sent(collective, group_size, in_bytes, out_bytes):
-    """What a rank sends for one collective, as the plan counts it: ring algorithms send (n-1)/n of what is
-    gathered or scattered, twice that for a sum; a send its message. Broadcasts and barriers (setup, the
-    checkpoint) count nothing in either."""
+# What each collective is, by the names of torch's ops (c10d's, the functional ones) and the plan's
+KINDS = {"all_reduce": ("allreduce", "all_reduce"), "all_gather": ("allgather", "_allgather", "all_gather"),
+         "reduce_scatter": ("reduce_scatter", "_reduce_scatter"), "all_to_all": ("alltoall", "all_to_all"),
+         "send": ("send",)}
+
+
+def kind_and_bytes_sent(collective, group_size, in_bytes, out_bytes):
+    """(its kind, what a rank sends) for one collective of a run, as the plan counts it: ring algorithms send
+    (n-1)/n of what is gathered or scattered, twice that for a sum; a send its message. Receives, broadcasts
+    and barriers (setup, the checkpoint) count nothing in either."""
+    kind = next((kind for kind, names in KINDS.items() if collective.startswith(names)), None)
     share = (group_size - 1) / group_size
-    if collective.startswith(("allreduce", "all_reduce")):
-        return 2 * share * in_bytes
-    if collective.startswith(("allgather", "_allgather", "all_gather")):
-        return share * out_bytes
-    if collective.startswith(("reduce_scatter", "_reduce_scatter", "alltoall", "all_to_all")):
-        return share * in_bytes
-    return in_bytes if collective == "send" else 0
+    sent = {"all_reduce": 2 * share * in_bytes, "all_gather": share * out_bytes,
+            "reduce_scatter": share * in_bytes, "all_to_all": share * in_bytes,
+            "send": in_bytes if collective == "send" else 0}
+    return kind, sent.get(kind, 0)
+
+
+def planned_by_kind(comm_bytes_per_step):
+    """The plan's bytes a step by kind; a line of two kinds (TP's "all_gather + reduce_scatter") splits
+    evenly: each forward all-gather's backward is a reduce-scatter and each reduce-scatter's an all-gather."""
+    by_kind = collections.Counter()
+    for collective, by_link in comm_bytes_per_step.items():
+        kinds = [kind.strip() for kind in collective.split(" (")[0].replace("send/recv", "send").split("+")]
+        for kind in kinds:
+            by_kind[kind] += sum(by_link.values()) / len(kinds)
+    return by_kind
 
 
 # name: (chapter, ranks, the chapter's flags, the planner's flags for the same layout and batch); chapters 08
 # and 09 split -b 8 into 4 micro-batches of 2 rows, which the planner's -b counts
+PIPELINE = ["-b", 2, "--global-batch-size", 8, "--num-microbatches", 4]
 COUNTED = {
     "02-ddp": ("02", 2, [], ["--chapter", "02"]),
     "04-fsdp": ("04", 2, [], ["--chapter", "04"]),
     "04-tied": ("04", 2, ["-m", "{tied}"], ["--chapter", "04"]),
     "06-tp2": ("06", 2, [], ["--tp", 2, "--global-batch-size", 8]),
     "07-dp2-tp2": ("07", 4, ["--tp", 2], ["--tp", 2, "--global-batch-size", 16]),
-    "08-1f1b": ("08", 2, [], ["--pp", 2, "-b", 2, "--global-batch-size", 8, "--num-microbatches", 4]),
-    "09-pp2-tp2": ("09", 4, ["--pp", 2, "--tp", 2],
-                   ["--pp", 2, "--tp", 2, "-b", 2, "--global-batch-size", 8, "--num-microbatches", 4]),
+    "08-1f1b": ("08", 2, [], ["--pp", 2, *PIPELINE]),
+    "08-1f1b-tied": ("08", 2, ["-m", "{tied}"], ["--pp", 2, *PIPELINE]),
+    "09-pp2-tp2": ("09", 4, ["--pp", 2, "--tp", 2], ["--pp", 2, "--tp", 2, *PIPELINE]),
 }
 
 
 @pytest.mark.parametrize("case", COUNTED)
 def test_a_rank_sends_in_a_step_what_the_plan_counts_within_one_percent(case, models, tiny_dataset, tmp_path):
-    """Every collective of a real run's second step (no checkpoint in it), by rank: DDP's buckets, FSDP's
-    gathers and reduce-scatters, tensor parallelism's DTensor redistributions (loss_parallel's too), the
-    pipeline's sends. What the plan leaves out (the logged loss, norm weights' gradients under TP) stays
-    under 1%: 0.8% for the tiny Llama at tp 2."""
+    """Every collective of a real run's second step (no checkpoint in it) on its busiest rank: DDP's
+    buckets, FSDP's gathers and reduce-scatters, tensor parallelism's DTensor redistributions (loss_parallel's
+    too), the pipeline's sends, a tied matrix's gradient; each kind within 1% of the step's bytes, so that no
+    kind's error hides behind another's. What the plan leaves out (the logged loss, norm weights' gradients
+    under TP) stays under that: 0.8% for the tiny Llama at tp 2. Sizes and counts are compared; the wire's
+    bytes are the ring model's, on both sides."""
     chapter, ranks, flags, planner_flags = COUNTED[case]
     flags = [str(flag).format(**models) for flag in flags]
     model = flags[flags.index("-m") + 1] if "-m" in flags else models["llama"]
@@ -152,10 +171,19 @@ def test_a_rank_sends_in_a_step_what_the_plan_counts_within_one_percent(case, mo
     by_rank = [json.loads(line.split(" collective_bytes ")[1]) for line in run.stdout.splitlines()
                if " collective_bytes " in line]
     assert len(by_rank) == ranks, run.stdout[-3000:]
-    sent = [sum(bytes_sent(*collective) for collective in by_step["2"]) for by_step in by_rank]
+    sent_by_rank = []
+    for by_step in by_rank:
+        sent = collections.Counter()
+        for collective in by_step["2"]:
+            kind, bytes_ = kind_and_bytes_sent(*collective)
+            sent[kind] += bytes_
+        sent_by_rank.append(sent)
+    sent = max(sent_by_rank, key=lambda sent: sum(sent.values()))
     *_, planned_layout = planned(model, ranks, "-b", 8, "--dtype", "float32", *planner_flags, seq_length=32)
-    predicted = sum(sum(by_link.values()) for by_link in planned_layout["comm_bytes_per_step"].values())
-    assert max(sent) == pytest.approx(predicted, rel=0.01), (sent, planned_layout["comm_bytes_per_step"])
+    predicted = planned_by_kind(planned_layout["comm_bytes_per_step"])
+    total = sum(predicted.values())
+    for kind in set(sent) | set(predicted):
+        assert sent[kind] == pytest.approx(predicted[kind], abs=0.01 * total), (kind, sent, predicted)
 
 
 # name: (model, ranks, flags, the start of the reason the chapter gives)

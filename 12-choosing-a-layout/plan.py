@@ -675,8 +675,9 @@ def collectives_per_step(layout, config, shapes, args):
             # the first and the last stage each hold the tied matrix: its fp32 gradient is summed once a step
             # (09: each rank's FSDP shard of its tensor-parallel slice); a V holds both on one rank
             shards = layout.tp * (layout.dp if layout.chapter == "09" else 1)
-            add("all_reduce (tied embedding gradient)", group_link((layout.pp - 1) * (world // layout.pp), 2,
-                per_node), 4 * text.vocab_size * text.hidden_size / shards)
+            ends_link = group_link((layout.pp - 1) * (world // layout.pp), 2, per_node)
+            tied_bytes = 4 * text.vocab_size * text.hidden_size / shards
+            add("all_reduce (tied embedding gradient)", ends_link, tied_bytes)
     if layout.cp > 1:
         kv_dim = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads) * head_dim(config)
         local = tokens / layout.cp * kv_dim * cd

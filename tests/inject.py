@@ -407,9 +407,9 @@ elif what == "collective-bytes":
         return arg.numel() * arg.element_size() if torch.is_tensor(arg) else 0
 
     # c10d's ops that take (outputs, inputs, group, ...); the others reduce, broadcast or send in place
-    OUTPUT_FIRST = ("_allgather_base_", "allgather_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
-                    "_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_", "alltoall_base_",
-                    "alltoall_", "gather_", "scatter_")
+    OUTPUT_FIRST = ("_allgather_base_", "allgather_", "allgather_coalesced_",
+                    "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_",
+                    "reduce_scatter_tensor_coalesced_", "alltoall_base_", "alltoall_", "gather_", "scatter_")
 
     class CountCollectives(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -1,6 +1,7 @@
 # The train_llm.py flags of the Llama 3.1 405B run, sourced by job.sbatch and ssh_launch.sh (one list, so the
 # two launchers cannot drift apart; tests/test_05_405b.py parses every flag with train_llm.py's own parser).
-# The layout and why: README.md ("The 405B layout"), checked by: python plan_memory.py --cpu-offload ...
+# The layout and why: README.md ("The 405B layout"), checked by chapter 12's planner:
+# python ../12-choosing-a-layout/plan.py --cpu-offload ...
 #
 # MODEL_DIR: the folder download_model.py filled (same path on every node); DATASET: a Hub id or local data.
 model_dir=${MODEL_DIR:-/local/models/Llama-3.1-405B}

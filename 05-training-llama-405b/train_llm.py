@@ -1,7 +1,7 @@
 """Train a model larger than one GPU, or one node's memory, with FSDP2: Llama 3.1 405B on 8 nodes x 8 GPUs.
 
     torchrun --nproc_per_node=2 train_llm.py              # tiny Llama, offline corpus, any laptop
-    sbatch --nodes=8 job.sbatch -e llama-405b              # see README.md and plan_memory.py first
+    sbatch --nodes=8 job.sbatch -e llama-405b              # see README.md and ../12-choosing-a-layout first
 
 Chapter 04's script plus what such a model needs: pretrained weights read from safetensors by every rank, each
 only the slices it owns (no process ever holds the whole model), activation checkpointing, explicit prefetch,
@@ -295,7 +295,7 @@ def shard_model(model, mesh, compute_dtype, cpu_offload, reshard_after_forward, 
     if explicit_prefetch:
         # FSDP2 by default issues block i+1's all-gather only when block i+1 starts (forward), or when its
         # gradients are needed (backward). Naming the next block here starts it while block i computes, so the
-        # network and the GPU overlap; it costs one more block of gathered weights (plan_memory.py counts it).
+        # network and the GPU overlap, for one more gathered block of weights (chapter 12's planner counts it).
         for block, next_block in zip(blocks, blocks[1:]):
             block.set_modules_to_forward_prefetch([next_block])
             next_block.set_modules_to_backward_prefetch([block])

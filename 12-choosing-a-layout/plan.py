@@ -12,11 +12,14 @@ activation checkpointing; CPU offload; each pipeline schedule) it counts, per ra
 and AdamW state (exactly: the dry run checks them against the chapter's built model), the gathered weights, the
 activations and the step's peak (estimates, see the README); the bytes of each collective by link (inside a node
 or across nodes); the FLOPs; the pipeline bubble; and a step time and MFU from the GPU's peak FLOP/s and the
-links' bandwidths, with the term that dominates. A layout that cannot work is refused with the reason the
-chapter's own checks give. Needs torch and transformers; --dry-run and the refusals import the chapters' scripts.
+links' bandwidths, with the term that dominates; for chapter 05's layouts also what each rank reads with
+--from-pretrained and the host copy that --async-checkpoint stages. A layout that cannot work is refused with
+the reason the chapter's own checks give. Needs torch and transformers; --dry-run and the refusals import the
+chapters' scripts.
 """
 import argparse
 import contextlib
+import copy
 import functools
 import importlib.util
 import io
@@ -30,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 import transformers
+from safetensors import safe_open
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -50,6 +54,10 @@ GPUS = {
                  pcie_gb_per_s=50),
 }
 PIPELINES = ("08", "09")
+# the dtypes of a safetensors header (safe_open's get_dtype() names), as torch's
+STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                 "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def main():
@@ -115,6 +123,10 @@ def get_parser():
     layout.add_argument("--num-microbatches", type=int, help="pipeline micro-batches a step (default: all rows)")
     layout.add_argument("--activation-checkpointing", action="store_true")
     layout.add_argument("--cpu-offload", action="store_true")
+    layout.add_argument("--explicit-prefetch", action="store_true",
+                        help="chapter 05's: start the next block's gather early (one more gathered block)")
+    layout.add_argument("--async-checkpoint", action="store_true",
+                        help="chapter 05's: count the host copy that each rank stages its checkpoint in")
     parser.add_argument("--json", action="store_true", help="print every layout as JSON")
     parser.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
     parser.add_argument("--dry-run", action="store_true",
@@ -145,8 +157,10 @@ META_MODELS = {}  # id(config): its model on the meta device
 def meta_model(config):
     """The model on the meta device: every parameter's name and shape, no memory (405B: half a second)."""
     if id(config) not in META_MODELS:
+        # (from_config sets its config's dtype to the one asked: a copy keeps the dtype the weights are stored in)
         with torch.device("meta"):
-            META_MODELS[id(config)] = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            META_MODELS[id(config)] = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                                                   dtype=torch.float32)
     return META_MODELS[id(config)]
 
 
@@ -207,6 +221,8 @@ class Layout:
     num_microbatches: int = 1
     activation_checkpointing: bool = False
     cpu_offload: bool = False
+    explicit_prefetch: bool = False
+    async_checkpoint: bool = False
 
     @property
     def dp(self):
@@ -217,7 +233,8 @@ class Layout:
 def pinned(args):
     return any(value not in (None, False) for value in (
         args.chapter, args.tp, args.pp, args.cp, args.ep, args.replicate_degree, args.schedule,
-        args.num_microbatches, args.activation_checkpointing, args.cpu_offload))
+        args.num_microbatches, args.activation_checkpointing, args.cpu_offload, args.explicit_prefetch,
+        args.async_checkpoint))
 
 
 def pinned_layout(args):
@@ -229,7 +246,8 @@ def pinned_layout(args):
                     pp=args.pp or (world if chapter == "08" else 1), cp=args.cp or 1, ep=args.ep or 1,
                     replicate_degree=args.replicate_degree or 1, schedule=schedule,
                     stages_per_rank=2 if schedule in several_stages_per_rank() else 1,
-                    activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload)
+                    activation_checkpointing=args.activation_checkpointing, cpu_offload=args.cpu_offload,
+                    explicit_prefetch=args.explicit_prefetch, async_checkpoint=args.async_checkpoint)
     return replace(layout, num_microbatches=args.num_microbatches or default_microbatches(layout, args))
 
 
@@ -243,7 +261,7 @@ def default_chapter(world, args):
         return "11"
     if args.tp:
         return "06" if args.tp == world else "07"
-    return "05" if args.activation_checkpointing else "04"
+    return "05" if args.activation_checkpointing or args.explicit_prefetch or args.async_checkpoint else "04"
 
 
 def default_microbatches(layout, args):
@@ -320,6 +338,8 @@ def chapter_flags(layout, args, model):
         flags += ["--replicate-degree", layout.replicate_degree] if layout.replicate_degree > 1 else []
         flags += ["--cpu-offload"] if layout.cpu_offload else []
     flags += ["--activation-checkpointing"] if layout.activation_checkpointing else []
+    flags += ["--explicit-prefetch"] if layout.explicit_prefetch else []
+    flags += ["--async-checkpoint"] if layout.async_checkpoint else []
     flags += {"07": ["--tp", layout.tp], "09": ["--pp", layout.pp, "--tp", layout.tp],
               "10": ["--cp", layout.cp], "11": ["--ep", layout.ep]}.get(layout.chapter, [])
     if layout.chapter in PIPELINES:
@@ -357,7 +377,8 @@ def several_stages_per_rank():
 LAYOUT_FLAGS = {"--tp": ["--tp", "2"], "--pp": ["--pp", "2"], "--cp": ["--cp", "2"], "--ep": ["--ep", "2"],
                 "--replicate-degree": ["--replicate-degree", "2"], "--cpu-offload": ["--cpu-offload"],
                 "--activation-checkpointing": ["--activation-checkpointing"],
-                "--schedule": ["--schedule", "1f1b"], "--num-microbatches": ["--num-microbatches", "2"]}
+                "--schedule": ["--schedule", "1f1b"], "--num-microbatches": ["--num-microbatches", "2"],
+                "--explicit-prefetch": ["--explicit-prefetch"], "--async-checkpoint": ["--async-checkpoint"]}
 
 
 @functools.cache
@@ -372,7 +393,8 @@ def refusal(layout, config, args):
     asked = {"--tp": layout.tp > 1 and chapter != "06", "--pp": layout.pp > 1 and chapter != "08",
              "--cp": layout.cp > 1, "--ep": layout.ep > 1, "--replicate-degree": layout.replicate_degree > 1,
              "--cpu-offload": layout.cpu_offload, "--activation-checkpointing": layout.activation_checkpointing,
-             "--schedule": layout.schedule is not None, "--num-microbatches": layout.num_microbatches > 1}
+             "--schedule": layout.schedule is not None, "--num-microbatches": layout.num_microbatches > 1,
+             "--explicit-prefetch": layout.explicit_prefetch, "--async-checkpoint": layout.async_checkpoint}
     untaken = [flag for flag, on in asked.items() if on and flag not in flags_taken(chapter)]
     own = None
     if untaken:
@@ -583,9 +605,11 @@ def memory_per_rank(layout, config, shapes, args, rank):
         stage = layer * text.num_hidden_layers / layout.pp + (head if holds_head or 0 in stages else 0)
         memory.update(gathered_weights=cd * stage, gathered_gradients=4 * stage)
     elif layout.chapter in ("04", "05", "10", "11") or (layout.chapter == "07" and layout.dp > 1):
-        # the layer computing and the next one arriving, or the head, which stays gathered from its forward to
-        # its backward; in backward a layer's (or the head's) whole gradients in --dtype, and reduced in fp32
-        memory.update(gathered_weights=cd * max(2 * layer, 2 * head),
+        # the layer computing and the next one arriving (with explicit prefetch one more), or the head, which
+        # stays gathered from its forward to its backward; in backward a layer's (or the head's) whole gradients
+        # in --dtype, and reduced in fp32
+        layers_gathered = 3 if layout.explicit_prefetch else 2
+        memory.update(gathered_weights=cd * max(layers_gathered * layer, 2 * head),
                       gathered_gradients=(cd + (4 if cd != 4 else 0)) * max(layer, head))
     elif cd != 4:
         memory["autocast_copies"] = cd * elements  # autocast's --dtype copy of each fp32 matmul weight
@@ -598,6 +622,9 @@ def memory_per_rank(layout, config, shapes, args, rank):
         in_flight = layers_in_flight(layout, text.num_hidden_layers, pp_rank, schedule_microbatches(layout, args))
         layer_bytes = per_layer * in_flight
     memory["activations"] = tokens * (layer_bytes + (outside if holds_head else 16))
+    if layout.async_checkpoint:
+        # the copy of the rank's weights and AdamW state in host memory that a background save writes from
+        memory["checkpoint_staging"] = memory["weights"] + memory["optimizer"]
     return memory
 
 
@@ -727,14 +754,17 @@ def plan_layout(layout, config, shapes, args):
         return plan
     # The busiest rank sets the peak. Pipeline stages differ (the embedding, the head, the micro-batches in
     # flight), and within a stage the first of its ranks holds the first, largest shards of uneven splits.
-    offloaded = ("weights", "gradients", "optimizer") if layout.cpu_offload else ()
+    on_host = ("weights", "gradients", "optimizer") if layout.cpu_offload else ()
+    on_host += ("checkpoint_staging",) if layout.async_checkpoint else ()
     by_rank = {rank: memory_per_rank(layout, config, shapes, args, rank)
                for rank in range(0, layout.world, layout.world // layout.pp)}
-    on_gpu = {rank: sum(bytes_ for part, bytes_ in memory.items() if part not in offloaded)
+    on_gpu = {rank: sum(bytes_ for part, bytes_ in memory.items() if part not in on_host)
               for rank, memory in by_rank.items()}
     busiest = max(on_gpu, key=on_gpu.get)
     memory, peak_bytes = by_rank[busiest], on_gpu[busiest]
-    host_bytes = args.gpus_per_node * sum(memory[part] for part in offloaded)
+    host_bytes = args.gpus_per_node * sum(memory[part] for part in on_host)
+    # activations grow with -b (at the same micro-batches a step), the rest does not
+    largest_batch = int((usable - peak_bytes + memory["activations"]) // (memory["activations"] / args.batch_size))
     comm = collectives_per_step(layout, config, shapes, args)
     step_tokens = global_batch(layout, args) * args.seq_length
     model_flops = flops_per_token(config, shapes, args.seq_length) * step_tokens
@@ -743,8 +773,9 @@ def plan_layout(layout, config, shapes, args):
     peak = args.peak_tflops * 1e12 if args.peak_tflops else gpu["peak_flops"]
     plan.update(
         fits=peak_bytes <= usable and host_bytes <= args.host_memory_gb * GB, busiest_rank=busiest,
-        peak_bytes_per_rank=peak_bytes, memory_bytes_per_rank=memory, on_host=list(offloaded),
-        usable_bytes_per_gpu=usable, host_bytes_per_node=host_bytes, comm_bytes_per_step=comm,
+        peak_bytes_per_rank=peak_bytes, memory_bytes_per_rank=memory, on_host=list(on_host),
+        largest_batch_size=max(0, largest_batch), usable_bytes_per_gpu=usable, host_bytes_per_node=host_bytes,
+        comm_bytes_per_step=comm,
         flops_per_step=model_flops, bubble=bubble(layout, schedule_microbatches(layout, args)),
         step_time_s=step_time, step_time_terms_s=terms, dominant=max(terms, key=terms.get),
         mfu=model_flops / (step_time * layout.world * peak), tokens_per_s=step_tokens / step_time,
@@ -752,9 +783,45 @@ def plan_layout(layout, config, shapes, args):
     if peak_bytes > usable:
         plan["reason"] = f"does not fit: {size(peak_bytes)} a GPU at the peak of a step, {size(usable)} usable"
     elif not plan["fits"]:
-        plan["reason"] = (f"does not fit: the offloaded states need {size(host_bytes)} of CPU memory a node, "
-                          f"which has {size(args.host_memory_gb * GB)}")
+        held = " and ".join(what for what, on in (("the offloaded states", layout.cpu_offload),
+                                                  ("the checkpoint's staging copy", layout.async_checkpoint))
+                            if on)
+        plan["reason"] = (f"does not fit: {held} need {size(host_bytes)} of CPU memory a node, which has "
+                          f"{size(args.host_memory_gb * GB)}")
+    if layout.chapter == "05":
+        plan["pretrained_load"] = pretrained_read(layout, config, shapes, args.model, busiest)
     return plan
+
+
+def pretrained_read(layout, config, shapes, model, rank):
+    """What a rank of chapter 05 reads with --from-pretrained: its rows of every weight, in the dtype each is
+    stored in: the safetensors headers beside the config (safe_open reads no weights), else config.json's dtype
+    (a Hub id, or a folder of configs). Chapter 04's load holds the whole fp32 model on rank 0."""
+    folder = model if os.path.isdir(model) else os.path.dirname(model) if os.path.isfile(model) else None
+    stored = {}  # name: (dtype, bytes)
+    for file in sorted(os.listdir(folder)) if folder else []:
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, file), framework="pt") as f:
+                for name in f.keys():
+                    tensor = f.get_slice(name)
+                    dtype = STORED_DTYPES[tensor.get_dtype()]
+                    stored[name] = (str(dtype).removeprefix("torch."),
+                                    dtype.itemsize * math.prod(tensor.get_shape()))
+    configured = str(getattr(text_config(config), "dtype", None) or "").removeprefix("torch.")
+    configured = configured if isinstance(getattr(torch, configured, None), torch.dtype) else ""
+    read, dtypes, sources = 0, set(), set()
+    for name, shape in shapes:
+        if name in stored:
+            (dtype, stored_bytes), source = stored[name], "the safetensors headers"
+        else:
+            dtype, source = configured or "bfloat16", "config.json's dtype" if configured else "an assumption"
+            stored_bytes = getattr(torch, dtype).itemsize * math.prod(shape)
+        # a rank's rows of a weight are that share of its bytes (dim-0 rows lie together in the file)
+        read += stored_bytes * local_numel(name, shape, layout, rank) // math.prod(shape)
+        dtypes.add(dtype)
+        sources.add(source)
+    return {"bytes_per_rank": read, "dtypes": sorted(dtypes), "dtypes_from": sorted(sources),
+            "chapter_04_rank_0_bytes": 4 * sum(math.prod(shape) for _, shape in shapes)}
 
 
 def step_time_terms(layout, config, shapes, args, comm, model_flops, busiest):
@@ -820,6 +887,8 @@ def describe(layout):
     parts += [f"{layout.schedule} (m {layout.num_microbatches})"] if layout.schedule else []
     parts += ["activation checkpointing"] if layout.activation_checkpointing else []
     parts += ["CPU offload"] if layout.cpu_offload else []
+    parts += ["explicit prefetch"] if layout.explicit_prefetch else []
+    parts += ["async checkpoint"] if layout.async_checkpoint else []
     return ", ".join(parts)
 
 
@@ -834,14 +903,14 @@ def print_plans(plans, config, shapes, args):
           f"{args.gpus_per_node} {args.gpu.upper()} ({world} ranks); -s {args.seq_length}, -b {args.batch_size} "
           f"rows a forward, {args.global_batch_size or world * args.batch_size} sequences a step")
     if len(plans) == 1:  # a pinned layout
-        print_plan(plans[0])
+        print_plan(plans[0], args)
         if not plans[0]["fits"]:
             print(f"{'note' if args.dry_run else 'error'}: {describe(layout_of(plans[0]))}: {plans[0]['reason']}")
         return
     fitting = [plan for plan in plans if plan["fits"]]
     print(f"{len(fitting)} of {len(plans)} layouts fit; the fastest {min(len(fitting), args.top)}:")
     for plan in fitting[:args.top]:
-        print_plan(plan)
+        print_plan(plan, args)
     others = [plan for plan in plans if not plan["fits"]]
     if others:
         print(f"\n{len(others)} do not fit or cannot run, e.g.:")
@@ -849,7 +918,7 @@ def print_plans(plans, config, shapes, args):
             print(f"  {describe(layout_of(plan))}: {plan['reason']}")
 
 
-def print_plan(plan):
+def print_plan(plan, args):
     if plan["peak_bytes_per_rank"] is None:
         return
     print(f"\n{describe(layout_of(plan))}\n  {size(plan['peak_bytes_per_rank'])} a GPU at the peak (rank "
@@ -861,6 +930,15 @@ def print_plan(plan):
     for collective, by_link in plan["comm_bytes_per_step"].items():
         links = ", ".join(f"{size(bytes_)} {link.replace('_', '-')}" for link, bytes_ in by_link.items())
         print(f"    {collective:<46} {links} a step")
+    print(f"    {'the largest -b to fit':<22} {plan['largest_batch_size'] or 'none':>10}")
+    if plan["on_host"]:
+        host = size(plan["host_bytes_per_node"])
+        print(f"    {'on the CPU, a node':<22} {host:>10}  of {args.host_memory_gb:g} GB")
+    if "pretrained_load" in plan:
+        load = plan["pretrained_load"]
+        print(f"    {'--from-pretrained':<22} {size(load['bytes_per_rank']):>10}  read by each rank (its rows, in "
+              f"{' + '.join(load['dtypes'])} per {' and '.join(load['dtypes_from'])}; chapter 04's load holds "
+              f"{size(load['chapter_04_rank_0_bytes'])} on rank 0)")
     print(f"  {plan['command']['torchrun']}\n  {plan['command']['sbatch']}")
 
 

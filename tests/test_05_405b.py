@@ -1,7 +1,7 @@
 """Chapter 05 (Llama 405B): every rank reads only its own slices of the pretrained weights and gets the logits
 of from_pretrained; activation checkpointing and explicit prefetch train as chapter 04 does with less activation
-memory; the memory planner counts exactly the bytes the runs hold; the launch files pass only flags the script
-takes; bad checkpoints fail on every rank with one line.
+memory; chapter 12's planner counts exactly the bytes chapter 05's runs hold; the launch files pass only flags
+the script takes; bad checkpoints fail on every rank with one line.
 """
 import json
 import subprocess
@@ -20,7 +20,7 @@ from launching import load_script
 
 CHAPTER = ROOT / "05-training-llama-405b"
 SCRIPT = CHAPTER / "train_llm.py"
-PLANNER = CHAPTER / "plan_memory.py"
+PLANNER = ROOT / "12-choosing-a-layout" / "plan.py"
 STEPS = 12
 # A model big enough that a full copy (39 MB in fp32) stands far above one tensor (2 MB), with every size
 # divisible by 2 and 4 ranks.
@@ -116,9 +116,11 @@ planner = load_script(PLANNER)
 
 
 def plan(*args):
-    """plan_memory.py's plan for these command-line arguments, as a dict of bytes."""
-    parsed = planner["get_parser"]().parse_args(list(map(str, args)))
-    return planner["make_plan"](planner["load_config"](parsed.model), parsed)
+    """The planner's plan of the chapter 05 layout these command-line arguments pin, in bytes."""
+    parsed = planner["get_parser"]().parse_args(["--chapter", "05", *map(str, args)])
+    config = planner["load_config"](parsed.model)
+    layout = planner["pinned_layout"](parsed)
+    return planner["plan_layout"](layout, config, planner["parameter_shapes"](config), parsed)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +195,7 @@ def test_planner_step_estimate_is_within_20_percent_of_measured(
     """What a step adds to a rank's memory at its peak: the planner's activations plus the gathered weights and
     gradients of the blocks in flight (the gradient shards were freed by zero_grad(set_to_none=True))."""
     estimate = plan(big_models[model], "--nodes", 1, "--gpus-per-node", nproc, "-b", 2, "-s", seq_length,
-                    "--dtype", "float32", *flags)["per_gpu"]
+                    "--dtype", "float32", *flags)["memory_bytes_per_rank"]
     planned = estimate["activations"] + estimate["gathered_weights"] + estimate["gathered_gradients"]
     for rank, report in enumerate(probed[model, nproc, seq_length, tuple(flags)]):
         measured = report["activation_peak"]
@@ -242,10 +244,10 @@ def test_loss_matches_chapter_04_step_by_step(launch_once, chapter_04, chapter_0
 def test_planner_counts_the_weight_gradient_and_adam_bytes_each_rank_holds(chapter_05, tiny_model):
     held = shard_bytes(chapter_05)
     estimate = plan(tiny_model, "--nodes", 1, "--gpus-per-node", 2, "--dtype", "float32", "-s", 32)
-    assert estimate["error"] is None and sorted(held) == [0, 1]
+    assert estimate["fits"] and sorted(held) == [0, 1]
     # the planner reports the fullest rank (rank 0: fully_shard gives it ceil(rows / ranks) of every weight)
-    for key in ("parameters", "gradients", "optimizer_state"):
-        assert estimate["per_gpu"][key] == max(held[rank][key][0] for rank in held), key
+    for part, key in (("weights", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer_state")):
+        assert estimate["memory_bytes_per_rank"][part] == max(held[rank][key][0] for rank in held), key
 
 
 def test_planner_counts_the_host_copy_an_async_checkpoint_stages(chapter_05, tiny_model):
@@ -254,8 +256,10 @@ def test_planner_counts_the_host_copy_an_async_checkpoint_stages(chapter_05, tin
                     "--async-checkpoint")
     # what a checkpoint holds of each rank (its weights and Adam state, not its gradients), staged by both ranks
     staged = sum(held[rank][key][0] for rank in held for key in ("parameters", "optimizer_state"))
-    assert estimate["per_node_checkpoint_staging"] == 2 * max(
-        held[rank]["parameters"][0] + held[rank]["optimizer_state"][0] for rank in held) >= staged
+    fullest = max(held[rank]["parameters"][0] + held[rank]["optimizer_state"][0] for rank in held)
+    assert estimate["on_host"] == ["checkpoint_staging"]
+    assert estimate["memory_bytes_per_rank"]["checkpoint_staging"] == fullest
+    assert estimate["host_bytes_per_node"] == 2 * fullest >= staged
 
 
 def launch_file_args(model_dir, dataset):
@@ -281,17 +285,19 @@ def test_every_flag_the_launch_files_pass_parses(tiny_model, tiny_dataset):
     # the layout the launch files run is the one the planner says fits, in GPU and in CPU memory
     estimate = plan("--nodes", 8, "--gpus-per-node", 8, "-b", parsed.batch_size, "-s", parsed.seq_length,
                     "--cpu-offload", "--activation-checkpointing", "--explicit-prefetch", "--async-checkpoint")
-    assert estimate["error"] is None and estimate["largest_batch"] >= parsed.batch_size, estimate
-    assert estimate["per_node_checkpoint_staging"] > 0
+    assert estimate["fits"] and estimate["largest_batch_size"] >= parsed.batch_size, estimate
+    assert estimate["memory_bytes_per_rank"]["checkpoint_staging"] > 0
 
 
 @pytest.mark.parametrize("flags,line", [
-    (["--replicate-degree", 3], "error: --replicate-degree 3 does not divide the 64 GPUs"),
-    (["--nodes", 160], "error: 1280 GPUs share each weight but model.layers.0.self_attn.k_proj.weight has"),
-    ([], "error: does not fit: "),
-], ids=["replicas-do-not-divide", "more-gpus-than-rows", "does-not-fit"])
+    (["--replicate-degree", 3], "error: chapter 05: dp 64, HSDP x3: --replicate-degree 3 does not divide the 64"),
+    ([], "error: chapter 05: dp 64: does not fit: "),
+    (["-s", 4096, "--cpu-offload", "--activation-checkpointing", "--async-checkpoint", "--host-memory-gb", 1024],
+     "error: chapter 05: dp 64, activation checkpointing, CPU offload, async checkpoint: does not fit: the "
+     "offloaded states and the checkpoint's staging copy need 1420 GB of CPU memory a node, which has 1024 GB"),
+], ids=["replicas-do-not-divide", "does-not-fit-the-gpu", "does-not-fit-the-host"])
 def test_planner_reports_a_bad_layout_with_one_line(flags, line, capsys, monkeypatch):
-    monkeypatch.setattr(sys, "argv", [str(PLANNER), *map(str, flags)])
+    monkeypatch.setattr(sys, "argv", [str(PLANNER), "--chapter", "05", *map(str, flags)])
     with pytest.raises(SystemExit) as exit:
         planner["main"]()
     assert exit.value.code == 1
@@ -315,17 +321,18 @@ def test_planner_reads_what_the_checkpoint_stores(half, tiny_model, tmp_path, ca
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     stored = sum(t.numel() * t.element_size() for t in weights.values())
     fp32_model = 4 * sum(t.numel() for t in weights.values())
-    estimate = plan(folder, "--nodes", 1, "--gpus-per-node", 2)
+    estimate = plan(folder, "--nodes", 1, "--gpus-per-node", 2)["pretrained_load"]
     # every dim 0 of the tiny model is even: each of 2 ranks reads exactly half of the stored bytes
-    assert estimate["load_bytes_per_rank"] == stored // 2 and stored % 2 == 0
-    assert estimate["load_dtypes"] == (["bfloat16", "float32"] if half else ["float32"])
-    monkeypatch.setattr(sys, "argv", [str(PLANNER), str(folder), "--nodes", "1", "--gpus-per-node", "2"])
+    assert estimate["bytes_per_rank"] == stored // 2 and stored % 2 == 0
+    assert estimate["dtypes"] == (["bfloat16", "float32"] if half else ["float32"])
+    monkeypatch.setattr(sys, "argv", [str(PLANNER), str(folder), "--nodes", "1", "--gpus-per-node", "2",
+                                      "--chapter", "05"])
     planner["main"]()
     printed = capsys.readouterr().out.splitlines()
-    line = next(" ".join(text.split()) for text in printed if "pretrained load" in text)
+    line = next(" ".join(text.split()) for text in printed if "--from-pretrained" in text)
     # a few hundred kB: printed in MB with two decimals, where a GB figure would round to 0 or 1
-    assert f"reads {stored / 2 / 1e6:.2f} MB (its rows, in {' + '.join(estimate['load_dtypes'])} per the " \
-           f"safetensors headers; chapter 04's load holds {fp32_model / 1e6:.2f} MB on rank 0)" in line, line
+    assert f"{stored / 2 / 1e6:.2f} MB read by each rank (its rows, in {' + '.join(estimate['dtypes'])} per " \
+           f"the safetensors headers; chapter 04's load holds {fp32_model / 1e6:.2f} MB on rank 0)" in line, line
 
 
 def checkpoint_without_safetensors(folder):

@@ -651,37 +651,44 @@ def collectives_per_step(layout, config, shapes, args):
     # a rank's weights before FSDP shards them: its stages' tensor-parallel slices and its ep rank's experts
     expert = sum(unsharded_numel(name, shape, layout) for name, shape in shapes if is_expert(name))
     dense = sum(unsharded_numel(name, shape, layout) for name, shape in shapes) - expert
-    # The head and the root's weights (the final norm, a tied embedding; in 07 the embedding too) stay
-    # gathered from forward to backward: one all-gather a micro-batch, where FSDP gathers a block twice
+    # The chapters' FSDP gathers each block for forward and again for backward every micro-batch, the head and
+    # the root's weights (the final norm, a tied embedding; in 07 the embedding too) once: they stay gathered
+    # from forward to backward. It reduce-scatters every micro-batch's gradients.
     own_group = ("embed_tokens.weight",) if layout.chapter != "07" and not is_tied(config) else ()
     once = sum(unsharded_numel(name, shape, layout) for name, shape in shapes
                if layer_of(name) is None and not name.endswith(own_group))
-    groups = []  # (elements, of them gathered once, the FSDP group's rank stride and size, HSDP's copies)
-    if layout.chapter in ("07", "09"):
-        groups = [(dense / layout.pp, once if layout.chapter == "07" else 0, layout.tp, layout.dp, 1)]
+    stages_by_pp_rank = [stages_of_rank(layout, r * (world // layout.pp)) for r in range(layout.pp)]
+    groups = []  # (elements, of them gathered in a step, the FSDP group's rank stride and size, HSDP's copies)
+    if layout.chapter == "07":
+        groups = [(dense, micro_steps * (2 * dense - once), layout.tp, layout.dp, 1)]
+    elif layout.chapter == "09":
+        # Under torch's pipelining a stage's blocks stay gathered from a backward to the next forward, which
+        # frees them: gathered before the first forward and before each backward that follows a forward, the
+        # micro-batches + 1 times a step; its root's weights once. Gradients are reduce-scattered once a step.
+        layers_and_root = [stage_elements(layout, config, shapes, stages) for stages in stages_by_pp_rank]
+        layers, root = max(layers_and_root, key=lambda held: (micro_steps + 1) * held[0] + held[1])
+        groups = [(layers + root, (micro_steps + 1) * layers + root, layout.tp, layout.dp, 1)]
     elif layout.chapter == "11":
-        groups = [(dense, once, 1, world // layout.replicate_degree, layout.replicate_degree),
-                  (expert, 0, layout.ep, world // layout.ep, 1)]
+        groups = [(dense, micro_steps * (2 * dense - once), 1, world // layout.replicate_degree,
+                   layout.replicate_degree),
+                  (expert, micro_steps * 2 * expert, layout.ep, world // layout.ep, 1)]
     elif layout.chapter in ("04", "05", "10"):
-        groups = [(dense + expert, once, 1, world // layout.replicate_degree, layout.replicate_degree)]
+        groups = [(dense + expert, micro_steps * (2 * (dense + expert) - once), 1,
+                   world // layout.replicate_degree, layout.replicate_degree)]
     elif layout.chapter == "02" and world > 1:
         add("all_reduce (DDP gradients)", group_link(1, world, per_node),
             2 * (world - 1) / world * 4 * (dense + expert))
-    # The chapters' FSDP gathers each block for forward and again for backward, and reduce-scatters every
-    # micro-batch's gradients; under torch's pipelining (09) backward keeps them, reduced once a step.
-    gathers, reduces = (1, 1) if layout.chapter == "09" else (2, micro_steps)
-    for elements, gathered_once, stride, n, copies in groups:
+    reduces = 1 if layout.chapter == "09" else micro_steps
+    for elements, gathered, stride, n, copies in groups:
         if n > 1:
             link, share = group_link(stride, n, per_node), (n - 1) / n
-            gathered = gathers * elements - gathered_once
-            add("all_gather (FSDP weights)", link, micro_steps * cd * gathered * share)
+            add("all_gather (FSDP weights)", link, cd * gathered * share)
             add("reduce_scatter (FSDP gradients)", link, reduces * 4 * elements * share)
         if copies > 1:
             add("all_reduce (HSDP gradients)", group_link(n, copies, per_node),
                 reduces * 2 * (copies - 1) / copies * 4 * elements / n)
     layers = text.num_hidden_layers / layout.pp
     tokens = args.batch_size * args.seq_length
-    stages_by_pp_rank = [stages_of_rank(layout, r * (world // layout.pp)) for r in range(layout.pp)]
     last_stage = layout.pp * layout.stages_per_rank - 1
     if layout.tp > 1:
         link, share = group_link(1, layout.tp, per_node), (layout.tp - 1) / layout.tp
@@ -717,6 +724,22 @@ def collectives_per_step(layout, config, shapes, args):
         add("all_to_all (EP tokens)", group_link(1, layout.ep, per_node),
             micro_steps * text.num_hidden_layers * 4 * routed * (layout.ep - 1) / layout.ep)
     return comm
+
+
+def stage_elements(layout, config, shapes, stages):
+    """(elements of the layers, of the rest) that a pipeline rank holding `stages` holds, before FSDP shards
+    them: its tensor-parallel slices, and on the last stage the tied head's copy of the embedding."""
+    num_stages, num_layers = layout.pp * layout.stages_per_rank, text_config(config).num_hidden_layers
+    layers, root = 0, 0
+    for name, shape in shapes:
+        held = sum(stage_holds(name, stage, num_stages, num_layers) for stage in stages)
+        if "embed_tokens" in name and is_tied(config) and num_stages - 1 in stages:
+            held += 1
+        if layer_of(name) is None:
+            root += held * unsharded_numel(name, shape, layout)
+        else:
+            layers += held * unsharded_numel(name, shape, layout)
+    return layers, root
 
 
 def pipeline_sends(stages, last_stage):

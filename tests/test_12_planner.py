@@ -139,8 +139,9 @@ def planned_by_kind(comm_bytes_per_step):
 
 
 # name: (chapter, ranks, the chapter's flags, the planner's flags for the same layout and batch); chapters 08
-# and 09 split -b 8 into 4 micro-batches of 2 rows, which the planner's -b counts
+# and 09 split -b 8 into 4 micro-batches of 2 rows, which the planner's -b counts (a step: 16 rows at dp 2)
 PIPELINE = ["-b", 2, "--global-batch-size", 8, "--num-microbatches", 4]
+PIPELINE_DP2 = ["-b", 2, "--global-batch-size", 16, "--num-microbatches", 4]
 COUNTED = {
     "02-ddp": ("02", 2, [], ["--chapter", "02"]),
     "04-fsdp": ("04", 2, [], ["--chapter", "04"]),
@@ -150,6 +151,13 @@ COUNTED = {
     "08-1f1b": ("08", 2, [], ["--pp", 2, *PIPELINE]),
     "08-1f1b-tied": ("08", 2, ["-m", "{tied}"], ["--pp", 2, *PIPELINE]),
     "09-pp2-tp2": ("09", 4, ["--pp", 2, "--tp", 2], ["--pp", 2, "--tp", 2, *PIPELINE]),
+    # (gpipe, interleaved-zb and dualpipev send as 1f1b, interleaved-1f1b and zbv do: measured equal, untested)
+    **{f"08-{schedule}": ("08", 2, ["--schedule", schedule], ["--pp", 2, "--schedule", schedule, *PIPELINE])
+       for schedule in ("interleaved-1f1b", "zbv")},
+    "09-pp2-dp2": ("09", 4, ["--pp", 2, "--tp", 1], ["--pp", 2, "--chapter", "09", *PIPELINE_DP2]),
+    "09-pp2-dp2-interleaved-tied": (
+        "09", 4, ["-m", "{tied}", "--pp", 2, "--tp", 1, "--schedule", "interleaved-1f1b"],
+        ["--pp", 2, "--chapter", "09", "--schedule", "interleaved-1f1b", *PIPELINE_DP2]),
 }
 
 

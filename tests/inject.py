@@ -59,6 +59,10 @@ INJECT=collective-bytes  at exit, print "rank r: collective_bytes {json}": every
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
+INJECT_ROUTING=balanced  (beside any INJECT) every MoE layer sends token t to experts (t k + j) mod E, j < k, in
+                      place of the router's choice: each expert gets as many rows as any other, as from a perfectly
+                      balanced router (chapter 12's planner counts the exchange for one)
+
 Only rank INJECT_RANK (default: every rank) is affected, and only in the first start of the workers
 (TORCHELASTIC_RESTART_COUNT 0): workers that torchrun --max-restarts starts again run clean, as after a real
 crash. Steps are counted with torch's public global
@@ -174,6 +178,23 @@ def after_optimizer_step(optimizer, args, kwargs):
     for _ in range(2 if what == "sigint-twice" else 1):
         os.kill(os.getpid(), signal.SIGTERM if what == "sigterm" else signal.SIGINT)
 
+
+if os.environ.get("INJECT_ROUTING") == "balanced":
+    from transformers.integrations.moe import ExpertsInterface
+
+    real_register = ExpertsInterface.register
+
+    def register_balanced(name, experts_forward):
+        """Register the experts' forward (chapter 11's ExpertParallel) with the router's choice replaced."""
+
+        def balanced(experts, hidden_states, top_k_index, top_k_weights):
+            tokens, k = top_k_index.shape
+            chosen = torch.arange(tokens * k, device=top_k_index.device).view(tokens, k) % experts.num_experts
+            return experts_forward(experts, hidden_states, chosen, top_k_weights)
+
+        return real_register(name, balanced)
+
+    ExpertsInterface.register = register_balanced
 
 if what in ("sigterm", "sigint", "sigint-twice", "raise", "nan", "fill-disk", "shard-bytes", "sigkill",
             "slow-alone", "kept-outputs"):

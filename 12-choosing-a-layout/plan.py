@@ -151,7 +151,7 @@ def load_config(model):
 # --- The model, as transformers builds it -------------------------------------------------------------------
 
 
-META_MODELS = {}  # id(config): its model on the meta device
+META_MODELS = {}  # id(config): (the config, kept so that its id names no other; its model on the meta device)
 
 
 def meta_model(config):
@@ -159,9 +159,9 @@ def meta_model(config):
     if id(config) not in META_MODELS:
         # (from_config sets its config's dtype to the one asked: a copy keeps the dtype the weights are stored in)
         with torch.device("meta"):
-            META_MODELS[id(config)] = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
-                                                                                   dtype=torch.float32)
-    return META_MODELS[id(config)]
+            model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=torch.float32)
+        META_MODELS[id(config)] = (config, model)
+    return META_MODELS[id(config)][1]
 
 
 def parameter_shapes(config):

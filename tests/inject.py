@@ -54,8 +54,8 @@ INJECT=saved-activations  at exit, print "rank r: saved_activation_bytes N": the
 INJECT=collective-bytes  at exit, print "rank r: collective_bytes {json}": every collective this rank ran, by
                       optimizer step (1 = the first): [op, group size, bytes in, bytes out] each, seen where torch
                       dispatches it (c10d's ops, also those DDP's reducer and FSDP run, and the functional ones
-                      that DTensor runs), for chapter 12's count of what a layout sends (not chapter 10: torch's
-                      CausalBias, a tensor subclass, cannot be made under a dispatch mode)
+                      that DTensor runs), for chapter 12's count of what a layout sends (torch's causal masks,
+                      CausalBias, a tensor subclass that cannot be made under a dispatch mode, are made outside it)
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -409,6 +409,7 @@ elif what == "all-to-all-bytes":
     register_optimizer_step_post_hook(count_steps)
     report_at_exit(lambda: f"all_to_all_bytes {json.dumps(sent_by_step)}")
 elif what == "collective-bytes":
+    import torch.nn.attention.bias
     from torch.distributed.distributed_c10d import _resolve_process_group
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -449,7 +450,19 @@ elif what == "collective-bytes":
                 ran_by_step.setdefault(steps_done + 1, []).append([name, group_size(args), *sizes])
             return out
 
-    CountCollectives().__enter__()
+    counting = CountCollectives()
+    real_causal_lower_right = torch.nn.attention.bias.causal_lower_right
+
+    def causal_lower_right(*args):
+        """Chapter 10's mask, made with the mode off (it runs no collective)."""
+        counting.__exit__(None, None, None)
+        try:
+            return real_causal_lower_right(*args)
+        finally:
+            counting.__enter__()
+
+    torch.nn.attention.bias.causal_lower_right = causal_lower_right
+    counting.__enter__()
     register_optimizer_step_post_hook(count_steps)
     report_at_exit(lambda: f"collective_bytes {json.dumps(ran_by_step)}")
 elif what == "saved-activations":

@@ -160,6 +160,9 @@ COUNTED = {
         ["--pp", 2, "--chapter", "09", "--schedule", "interleaved-1f1b", *PIPELINE_DP2]),
     # experts routed as by a perfectly balanced router (tests/inject.py's INJECT_ROUTING); the tiny Mixtral's own
     # router put the busiest rank's exchange 0.1% (ep 2) and 8% (dp 2 x ep 2) above it at the second step
+    # (the cp ranks of a dp group train the same rows: a step is -b 8 rows a dp rank)
+    "10-cp2": ("10", 2, ["--cp", 2], ["--cp", 2, "--global-batch-size", 8]),
+    "10-dp2-cp2": ("10", 4, ["--cp", 2], ["--cp", 2, "--global-batch-size", 16]),
     "11-ep2": ("11", 2, ["-m", "{moe}", "--ep", 2], ["--ep", 2]),
     "11-dp2-ep2": ("11", 4, ["-m", "{moe}", "--ep", 2], ["--ep", 2]),
 }

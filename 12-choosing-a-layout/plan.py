@@ -779,9 +779,10 @@ def plan_layout(layout, config, shapes, args):
     # flight), and within a stage the first of its ranks holds the first, largest shards of uneven splits.
     on_host = ("weights", "gradients", "optimizer") if layout.cpu_offload else ()
     on_host += ("checkpoint_staging",) if layout.async_checkpoint else ()
+    after_peak = () if gradients_at_peak(layout, args) or layout.cpu_offload else ("gradients",)
     by_rank = {rank: memory_per_rank(layout, config, shapes, args, rank)
                for rank in range(0, layout.world, layout.world // layout.pp)}
-    on_gpu = {rank: sum(bytes_ for part, bytes_ in memory.items() if part not in on_host)
+    on_gpu = {rank: sum(bytes_ for part, bytes_ in memory.items() if part not in on_host + after_peak)
               for rank, memory in by_rank.items()}
     busiest = max(on_gpu, key=on_gpu.get)
     memory, peak_bytes = by_rank[busiest], on_gpu[busiest]
@@ -797,6 +798,7 @@ def plan_layout(layout, config, shapes, args):
     plan.update(
         fits=peak_bytes <= usable and host_bytes <= args.host_memory_gb * GB, busiest_rank=busiest,
         peak_bytes_per_rank=peak_bytes, memory_bytes_per_rank=memory, on_host=list(on_host),
+        after_peak=list(after_peak),
         largest_batch_size=max(0, largest_batch), usable_bytes_per_gpu=usable, host_bytes_per_node=host_bytes,
         comm_bytes_per_step=comm,
         flops_per_step=model_flops, bubble=bubble(layout, schedule_microbatches(layout, args)),
@@ -845,6 +847,13 @@ def pretrained_read(layout, config, shapes, model, rank):
         sources.add(source)
     return {"bytes_per_rank": read, "dtypes": sorted(dtypes), "dtypes_from": sorted(sources),
             "chapter_04_rank_0_bytes": 4 * sum(math.prod(shape) for _, shape in shapes)}
+
+
+def gradients_at_peak(layout, args):
+    """Whether a step's gradients are alive at its peak, the start of its first backward: zero_grad(set_to_none=
+    True) frees them before the step, and only DDP's buckets (02) or an earlier micro-batch's backward (gradient
+    accumulation, a pipeline's micro-batches) bring them back by then."""
+    return layout.chapter == "02" or global_batch(layout, args) // (layout.dp * args.batch_size) > 1
 
 
 def step_time_terms(layout, config, shapes, args, comm, model_flops, busiest):
@@ -948,7 +957,7 @@ def print_plan(plan, args):
           f"{plan['busiest_rank']} holds the most); step {plan['step_time_s']:.2f} s, MFU {plan['mfu']:.0%}, "
           f"bubble {plan['bubble']:.0%}; the largest term: {plan['dominant']}")
     for part, bytes_ in plan["memory_bytes_per_rank"].items():
-        where = "CPU" if part in plan["on_host"] else "GPU"
+        where = "CPU" if part in plan["on_host"] else "GPU, after the peak" if part in plan["after_peak"] else "GPU"
         print(f"    {part.replace('_', ' '):<22} {size(bytes_):>10}  on the {where}")
     for collective, by_link in plan["comm_bytes_per_step"].items():
         links = ", ".join(f"{size(bytes_)} {link.replace('_', '-')}" for link, bytes_ in by_link.items())

@@ -56,6 +56,10 @@ INJECT=collective-bytes  at exit, print "rank r: collective_bytes {json}": every
                       dispatches it (c10d's ops, also those DDP's reducer and FSDP run, and the functional ones
                       that DTensor runs), for chapter 12's count of what a layout sends (torch's causal masks,
                       CausalBias, a tensor subclass that cannot be made under a dispatch mode, are made outside it)
+INJECT=tensor-bytes   at exit, print "rank r: tensor_bytes {json}": the most bytes of tensor storage alive at once
+                      in step 2 ("peak"; from the end of optimizer step 1 to the end of step 2), counting those
+                      alive at its start, each storage torch's ops make until it is freed, and the storages that
+                      FSDP resizes in place (chapter 12's check of the planned peak; live tensors, not RSS)
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -465,6 +469,69 @@ elif what == "collective-bytes":
     counting.__enter__()
     register_optimizer_step_post_hook(count_steps)
     report_at_exit(lambda: f"collective_bytes {json.dumps(ran_by_step)}")
+elif what == "tensor-bytes":
+    # The most bytes of tensor storage alive at once in step 2 (from the end of optimizer step 1 to the end of
+    # step 2): the storages alive at its start (all that Python reaches), then each new one that an op makes
+    # (seen where torch dispatches it) until it is freed, and the storages FSDP grows and shrinks in place.
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    live = {}  # id of a storage (torch keeps one Python object per storage for its life): its bytes
+    memory = {"now": 0, "peak": 0}
+
+    def track(storage):
+        """Count a storage's bytes now (a new one, or one resized in place) and forget them when it dies."""
+        if storage.device.type == "meta":
+            return
+        key = id(storage)
+        if key not in live:
+            live[key] = 0
+            weakref.finalize(storage, forget, key)
+        memory["now"] += storage.nbytes() - live[key]
+        live[key] = storage.nbytes()
+        memory["peak"] = max(memory["peak"], memory["now"])
+
+    def forget(key):
+        memory["now"] -= live.pop(key)
+
+    class TrackStorages(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(kind, DTensor) for kind in types):
+                return NotImplemented  # DTensor runs its local ops with this mode on: they are tracked
+            out = func(*args, **(kwargs or {}))
+            for tensor in (out if isinstance(out, (list, tuple)) else [out]):
+                if isinstance(tensor, torch.Tensor):
+                    track(tensor.untyped_storage())
+            return out
+
+    real_resize = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        """FSDP frees and allocates a gathered weight's storage in place (resize_ to 0 and back)."""
+        result = real_resize(storage, size)
+        track(storage)
+        return result
+
+    tracking = TrackStorages()
+
+    def track_step_2(optimizer, args, kwargs):
+        count_steps(optimizer, args, kwargs)
+        if steps_done == 1:
+            gc.collect()
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor):
+                    track((obj.to_local() if isinstance(obj, DTensor) else obj).untyped_storage())
+            memory["start"] = memory["now"]
+            torch.UntypedStorage.resize_ = resize_
+            tracking.__enter__()
+        elif steps_done == 2:
+            tracking.__exit__(None, None, None)
+            torch.UntypedStorage.resize_ = real_resize
+            memory["end"] = memory["now"]
+
+    register_optimizer_step_post_hook(track_step_2)
+    report_at_exit(lambda: f"tensor_bytes {json.dumps(memory)}")
 elif what == "saved-activations":
     from torch.nn import Parameter
 

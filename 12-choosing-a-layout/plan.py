@@ -622,6 +622,14 @@ def memory_per_rank(layout, config, shapes, args, rank):
         in_flight = layers_in_flight(layout, text.num_hidden_layers, pp_rank, schedule_microbatches(layout, args))
         layer_bytes = per_layer * in_flight
     memory["activations"] = tokens * (layer_bytes + (outside if holds_head else 16))
+    if layout.pp == 1 and not layout.cpu_offload and not gradients_at_peak(layout, args):
+        # Backward frees each layer's activations as that layer's gradients arrive. Where a layer keeps less than
+        # its gradients take (a checkpointed one keeps its input), the peak comes at the last layer's backward,
+        # with the others' gradients made: one layer's activations and input then, the logits long freed.
+        last_layer = tokens * (per_layer + (cd * text.hidden_size if layout.activation_checkpointing else 0))
+        made = memory["gradients"] * (text.num_hidden_layers - 1) / text.num_hidden_layers
+        if last_layer + made > memory["activations"]:
+            memory.update(activations=last_layer, gradients_at_the_peak=made)
     if layout.async_checkpoint:
         # the copy of the rank's weights and AdamW state in host memory that a background save writes from
         memory["checkpoint_staging"] = memory["weights"] + memory["optimizer"]

@@ -142,6 +142,25 @@ def report_at_exit(line):
     os._exit = report_then_exit
 
 
+def make_causal_masks_outside(mode, mode_is_on):
+    """torch's causal masks (CausalBias, a tensor subclass) cannot be created under a dispatch mode: chapter 10's
+    are made with the probe's mode off while it is on (making one runs no op a probe counts)."""
+    import torch.nn.attention.bias
+
+    real_causal_lower_right = torch.nn.attention.bias.causal_lower_right
+
+    def causal_lower_right(*args):
+        if not mode_is_on():
+            return real_causal_lower_right(*args)
+        mode.__exit__(None, None, None)
+        try:
+            return real_causal_lower_right(*args)
+        finally:
+            mode.__enter__()
+
+    torch.nn.attention.bias.causal_lower_right = causal_lower_right
+
+
 def after_optimizer_step(optimizer, args, kwargs):
     global steps_done
     steps_done += 1
@@ -413,7 +432,6 @@ elif what == "all-to-all-bytes":
     register_optimizer_step_post_hook(count_steps)
     report_at_exit(lambda: f"all_to_all_bytes {json.dumps(sent_by_step)}")
 elif what == "collective-bytes":
-    import torch.nn.attention.bias
     from torch.distributed.distributed_c10d import _resolve_process_group
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -455,17 +473,7 @@ elif what == "collective-bytes":
             return out
 
     counting = CountCollectives()
-    real_causal_lower_right = torch.nn.attention.bias.causal_lower_right
-
-    def causal_lower_right(*args):
-        """Chapter 10's mask, made with the mode off (it runs no collective)."""
-        counting.__exit__(None, None, None)
-        try:
-            return real_causal_lower_right(*args)
-        finally:
-            counting.__enter__()
-
-    torch.nn.attention.bias.causal_lower_right = causal_lower_right
+    make_causal_masks_outside(counting, lambda: True)
     counting.__enter__()
     register_optimizer_step_post_hook(count_steps)
     report_at_exit(lambda: f"collective_bytes {json.dumps(ran_by_step)}")
@@ -514,6 +522,7 @@ elif what == "tensor-bytes":
         return result
 
     tracking = TrackStorages()
+    make_causal_masks_outside(tracking, lambda: steps_done == 1)
 
     def track_step_2(optimizer, args, kwargs):
         count_steps(optimizer, args, kwargs)

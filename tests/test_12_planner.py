@@ -213,6 +213,7 @@ MEASURED = {
                                     ["--activation-checkpointing"]),
     "06-tp2": ("06", 2, "llama", [], ["--tp", 2, "--global-batch-size", 2]),
     "07-dp2-tp2": ("07", 4, "llama", ["--tp", 2], ["--tp", 2, "--global-batch-size", 4]),
+    "10-cp2": ("10", 2, "llama", ["--cp", 2], ["--cp", 2, "--global-batch-size", 2]),
     "11-ep2": ("11", 2, "moe", ["--ep", 2], ["--ep", 2]),
 }
 

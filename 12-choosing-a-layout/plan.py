@@ -965,7 +965,8 @@ def print_plan(plan, args):
           f"{plan['busiest_rank']} holds the most); step {plan['step_time_s']:.2f} s, MFU {plan['mfu']:.0%}, "
           f"bubble {plan['bubble']:.0%}; the largest term: {plan['dominant']}")
     for part, bytes_ in plan["memory_bytes_per_rank"].items():
-        where = "CPU" if part in plan["on_host"] else "GPU, after the peak" if part in plan["after_peak"] else "GPU"
+        where = ("CPU" if part in plan["on_host"] else
+                 "GPU, after the peak" if part in plan["after_peak"] else "GPU")
         print(f"    {part.replace('_', ' '):<22} {size(bytes_):>10}  on the {where}")
     for collective, by_link in plan["comm_bytes_per_step"].items():
         links = ", ".join(f"{size(bytes_)} {link.replace('_', '-')}" for link, bytes_ in by_link.items())

@@ -539,7 +539,7 @@ def state_bytes(elements, tensors):
 
 def activation_bytes_per_token(config, layout, compute_bytes):
     """(bytes per token that one layer saves for backward on a rank, bytes per token outside the layers).
-    Counted from what Hugging Face's Llama saves with sdpa attention (chapter 05's count: RMSNorm in fp32), a
+    Counted from what Hugging Face's Llama saves with sdpa attention (RMSNorm in fp32), a
     MoE layer's MLP once per expert a token goes to; tensor parallelism splits what its plan splits
     (sequence-parallel norms included) but for the gathered inputs of the column-parallel matmuls."""
     config = text_config(config)
@@ -588,7 +588,8 @@ def bubble(layout, microbatches):
 
 
 def memory_per_rank(layout, config, shapes, args, rank):
-    """Bytes a rank holds at the peak of a step, by part; the weights, gradients and AdamW state exactly."""
+    """Bytes a rank holds in a step, by part (the weights, gradients and AdamW state exactly): those on the GPU
+    at the peak, and the gradients after it and the host copies that plan_layout names as such."""
     text, cd = text_config(config), compute_bytes(args)
     elements, tensors = rank_weights(layout, config, shapes, rank)
     memory = state_bytes(elements, tensors)
@@ -796,7 +797,7 @@ def plan_layout(layout, config, shapes, args):
     memory, peak_bytes = by_rank[busiest], on_gpu[busiest]
     host_bytes = args.gpus_per_node * sum(memory[part] for part in on_host)
     # activations grow with -b (at the same micro-batches a step), the rest does not
-    largest_batch = int((usable - peak_bytes + memory["activations"]) // (memory["activations"] / args.batch_size))
+    largest_batch = largest_batch_size(layout, config, shapes, args, busiest, on_host + after_peak, usable)
     comm = collectives_per_step(layout, config, shapes, args)
     step_tokens = global_batch(layout, args) * args.seq_length
     model_flops = flops_per_token(config, shapes, args.seq_length) * step_tokens
@@ -807,7 +808,7 @@ def plan_layout(layout, config, shapes, args):
         fits=peak_bytes <= usable and host_bytes <= args.host_memory_gb * GB, busiest_rank=busiest,
         peak_bytes_per_rank=peak_bytes, memory_bytes_per_rank=memory, on_host=list(on_host),
         after_peak=list(after_peak),
-        largest_batch_size=max(0, largest_batch), usable_bytes_per_gpu=usable, host_bytes_per_node=host_bytes,
+        largest_batch_size=largest_batch, usable_bytes_per_gpu=usable, host_bytes_per_node=host_bytes,
         comm_bytes_per_step=comm,
         flops_per_step=model_flops, bubble=bubble(layout, schedule_microbatches(layout, args)),
         step_time_s=step_time, step_time_terms_s=terms, dominant=max(terms, key=terms.get),
@@ -826,20 +827,29 @@ def plan_layout(layout, config, shapes, args):
     return plan
 
 
+@functools.cache
+def stored_tensors(folder):
+    """{name: (dtype, bytes)} of the tensors in a folder's safetensors files, from their headers."""
+    stored = {}
+    for file in sorted(name for name in os.listdir(folder) if name.endswith(".safetensors")):
+        with safe_open(os.path.join(folder, file), framework="pt") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                if tensor.get_dtype() not in STORED_DTYPES:
+                    sys.exit(f"error: {file} stores {name} as {tensor.get_dtype()}, a dtype the planner does not "
+                             "size; plan with a folder that holds only the model's config.json")
+                dtype = STORED_DTYPES[tensor.get_dtype()]
+                stored[name] = (str(dtype).removeprefix("torch."), dtype.itemsize * math.prod(tensor.get_shape()))
+    return stored
+
+
 def pretrained_read(layout, config, shapes, model, rank):
     """What a rank of chapter 05 reads with --from-pretrained: its rows of every weight, in the dtype each is
     stored in: the safetensors headers beside the config (safe_open reads no weights), else config.json's dtype
     (a Hub id, or a folder of configs). Chapter 04's load holds the whole fp32 model on rank 0."""
-    folder = model if os.path.isdir(model) else os.path.dirname(model) if os.path.isfile(model) else None
-    stored = {}  # name: (dtype, bytes)
-    for file in sorted(os.listdir(folder)) if folder else []:
-        if file.endswith(".safetensors"):
-            with safe_open(os.path.join(folder, file), framework="pt") as f:
-                for name in f.keys():
-                    tensor = f.get_slice(name)
-                    dtype = STORED_DTYPES[tensor.get_dtype()]
-                    stored[name] = (str(dtype).removeprefix("torch."),
-                                    dtype.itemsize * math.prod(tensor.get_shape()))
+    folder = model if os.path.isdir(model) else os.path.dirname(os.path.abspath(model)) \
+        if os.path.isfile(model) else None
+    stored = stored_tensors(folder) if folder else {}
     configured = str(getattr(text_config(config), "dtype", None) or "").removeprefix("torch.")
     configured = configured if isinstance(getattr(torch, configured, None), torch.dtype) else ""
     read, dtypes, sources = 0, set(), set()
@@ -855,6 +865,24 @@ def pretrained_read(layout, config, shapes, model, rank):
         sources.add(source)
     return {"bytes_per_rank": read, "dtypes": sorted(dtypes), "dtypes_from": sorted(sources),
             "chapter_04_rank_0_bytes": 4 * sum(math.prod(shape) for _, shape in shapes)}
+
+
+def largest_batch_size(layout, config, shapes, args, rank, off_gpu, usable):
+    """The largest -b whose peak fits on the rank (the micro-batches a step kept): a bisection, as the peak's
+    moment can move with -b (with checkpointing, from the last layer's backward to the first's)."""
+    def peak(batch_size):
+        scaled = argparse.Namespace(**{**vars(args), "batch_size": batch_size, "global_batch_size":
+                                       global_batch(layout, args) // args.batch_size * batch_size})
+        memory = memory_per_rank(layout, config, shapes, scaled, rank)
+        return sum(bytes_ for part, bytes_ in memory.items() if part not in off_gpu)
+
+    fitting, too_many = 0, 1
+    while peak(too_many) <= usable:
+        fitting, too_many = too_many, 2 * too_many
+    while too_many - fitting > 1:
+        middle = (fitting + too_many) // 2
+        fitting, too_many = (middle, too_many) if peak(middle) <= usable else (fitting, middle)
+    return fitting
 
 
 def gradients_at_peak(layout, args):

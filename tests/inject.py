@@ -57,15 +57,16 @@ INJECT=collective-bytes  at exit, print "rank r: collective_bytes {json}": every
                       that DTensor runs), for chapter 12's count of what a layout sends (torch's causal masks,
                       CausalBias, a tensor subclass that cannot be made under a dispatch mode, are made outside it)
 INJECT=tensor-bytes   at exit, print "rank r: tensor_bytes {json}": the most bytes of tensor storage alive at once
-                      in step 2 ("peak"; from the end of optimizer step 1 to the end of step 2), counting those
-                      alive at its start, each storage torch's ops make until it is freed, and the storages that
-                      FSDP resizes in place (chapter 12's check of the planned peak; live tensors, not RSS)
+                      in step 2 ("peak"; from its first forward, after zero_grad, to the end of its optimizer
+                      step), counting those alive at its start, each storage torch's ops make until it is freed,
+                      and those FSDP resizes in place (chapter 12's check of the planned peak; not RSS)
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
-INJECT_ROUTING=balanced  (beside any INJECT) every MoE layer sends token t to experts (t k + j) mod E, j < k, in
-                      place of the router's choice: each expert gets as many rows as any other, as from a perfectly
-                      balanced router (chapter 12's planner counts the exchange for one)
+INJECT_ROUTING=balanced  (beside any INJECT) the experts' forwards registered with transformers from then on
+                      (chapter 11's) send token t to experts (t k + j) mod E, j < k, in place of the router's
+                      choice: each expert gets as many rows as any other, as from a perfectly balanced router
+                      (chapter 12's planner counts the exchange for one)
 
 Only rank INJECT_RANK (default: every rank) is affected, and only in the first start of the workers
 (TORCHELASTIC_RESTART_COUNT 0): workers that torchrun --max-restarts starts again run clean, as after a real
@@ -142,21 +143,18 @@ def report_at_exit(line):
     os._exit = report_then_exit
 
 
-def make_causal_masks_outside(mode, mode_is_on):
+def make_causal_masks_outside_dispatch_modes():
     """torch's causal masks (CausalBias, a tensor subclass) cannot be created under a dispatch mode: chapter 10's
-    are made with the probe's mode off while it is on (making one runs no op a probe counts)."""
+    are made with the probes' modes off. (Not counted then: a mask's own [2, q, kv] fp32 storage, 1 MB at
+    256 x 512, under 1% of chapter 12's measured peaks; it runs no collective.)"""
     import torch.nn.attention.bias
+    from torch.utils._python_dispatch import _disable_current_modes
 
     real_causal_lower_right = torch.nn.attention.bias.causal_lower_right
 
-    def causal_lower_right(*args):
-        if not mode_is_on():
-            return real_causal_lower_right(*args)
-        mode.__exit__(None, None, None)
-        try:
-            return real_causal_lower_right(*args)
-        finally:
-            mode.__enter__()
+    def causal_lower_right(*args, **kwargs):
+        with _disable_current_modes():
+            return real_causal_lower_right(*args, **kwargs)
 
     torch.nn.attention.bias.causal_lower_right = causal_lower_right
 
@@ -210,10 +208,10 @@ if os.environ.get("INJECT_ROUTING") == "balanced":
     def register_balanced(name, experts_forward):
         """Register the experts' forward (chapter 11's ExpertParallel) with the router's choice replaced."""
 
-        def balanced(experts, hidden_states, top_k_index, top_k_weights):
+        def balanced(experts, hidden_states, top_k_index, *args, **kwargs):
             tokens, k = top_k_index.shape
             chosen = torch.arange(tokens * k, device=top_k_index.device).view(tokens, k) % experts.num_experts
-            return experts_forward(experts, hidden_states, chosen, top_k_weights)
+            return experts_forward(experts, hidden_states, chosen, *args, **kwargs)
 
         return real_register(name, balanced)
 
@@ -472,15 +470,14 @@ elif what == "collective-bytes":
                 ran_by_step.setdefault(steps_done + 1, []).append([name, group_size(args), *sizes])
             return out
 
-    counting = CountCollectives()
-    make_causal_masks_outside(counting, lambda: True)
-    counting.__enter__()
+    make_causal_masks_outside_dispatch_modes()
+    CountCollectives().__enter__()
     register_optimizer_step_post_hook(count_steps)
     report_at_exit(lambda: f"collective_bytes {json.dumps(ran_by_step)}")
 elif what == "tensor-bytes":
-    # The most bytes of tensor storage alive at once in step 2 (from the end of optimizer step 1 to the end of
-    # step 2): the storages alive at its start (all that Python reaches), then each new one that an op makes
-    # (seen where torch dispatches it) until it is freed, and the storages FSDP grows and shrinks in place.
+    # The most bytes of tensor storage alive at once in step 2 (from its first forward to the end of its
+    # optimizer step): the storages alive at the end of step 1 (all that Python reaches), then each new one that
+    # an op makes (seen where torch dispatches it) until it is freed, and the storages FSDP resizes in place.
     import weakref
 
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -522,18 +519,26 @@ elif what == "tensor-bytes":
         return result
 
     tracking = TrackStorages()
-    make_causal_masks_outside(tracking, lambda: steps_done == 1)
+    make_causal_masks_outside_dispatch_modes()
+    forward_hooks = []
+
+    def peak_from_here(module, args):
+        """Step 2's first forward: the peak counts from here, after zero_grad freed step 1's gradients."""
+        memory["peak"] = memory["now"]
+        forward_hooks.pop().remove()
 
     def track_step_2(optimizer, args, kwargs):
         count_steps(optimizer, args, kwargs)
         if steps_done == 1:
             gc.collect()
             for obj in gc.get_objects():
-                if isinstance(obj, torch.Tensor):
+                # (type(), not isinstance: a dead weakref.proxy raises on the latter)
+                if issubclass(type(obj), torch.Tensor) and obj.layout == torch.strided:
                     track((obj.to_local() if isinstance(obj, DTensor) else obj).untyped_storage())
             memory["start"] = memory["now"]
             torch.UntypedStorage.resize_ = resize_
             tracking.__enter__()
+            forward_hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(peak_from_here))
         elif steps_done == 2:
             tracking.__exit__(None, None, None)
             torch.UntypedStorage.resize_ = real_resize

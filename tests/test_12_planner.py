@@ -158,11 +158,11 @@ COUNTED = {
     "09-pp2-dp2-interleaved-tied": (
         "09", 4, ["-m", "{tied}", "--pp", 2, "--tp", 1, "--schedule", "interleaved-1f1b"],
         ["--pp", 2, "--chapter", "09", "--schedule", "interleaved-1f1b", *PIPELINE_DP2]),
-    # experts routed as by a perfectly balanced router (tests/inject.py's INJECT_ROUTING); the tiny Mixtral's own
-    # router put the busiest rank's exchange 0.1% (ep 2) and 8% (dp 2 x ep 2) above it at the second step
     # (the cp ranks of a dp group train the same rows: a step is -b 8 rows a dp rank)
     "10-cp2": ("10", 2, ["--cp", 2], ["--cp", 2, "--global-batch-size", 8]),
     "10-dp2-cp2": ("10", 4, ["--cp", 2], ["--cp", 2, "--global-batch-size", 16]),
+    # experts routed as by a perfectly balanced router (tests/inject.py's INJECT_ROUTING); the tiny Mixtral's own
+    # router put the busiest rank's exchange 0.1% (ep 2) and 8% (dp 2 x ep 2) above it at the second step
     "11-ep2": ("11", 2, ["-m", "{moe}", "--ep", 2], ["--ep", 2]),
     "11-dp2-ep2": ("11", 4, ["-m", "{moe}", "--ep", 2], ["--ep", 2]),
 }
@@ -248,8 +248,7 @@ def test_a_rank_holds_at_the_peak_of_a_step_what_the_plan_counts_within_five_per
     peaks = [json.loads(line.split(" tensor_bytes ")[1])["peak"] for line in run.stdout.splitlines()
              if " tensor_bytes " in line]
     assert len(peaks) == ranks, run.stdout[-3000:]
-    *_, planned_layout = planned(big_models[model], ranks, "-b", 2, "--dtype", "float32", *planner_flags,
-                                 seq_length=256)
+    *_, planned_layout = planned(big_models[model], ranks, "--dtype", "float32", *planner_flags, seq_length=256)
     assert planned_layout["peak_bytes_per_rank"] == pytest.approx(max(peaks), rel=0.05), (peaks, planned_layout)
 
 

@@ -169,6 +169,7 @@ def parameter_shapes(config):
     return [(name, tuple(param.shape)) for name, param in meta_model(config).named_parameters()]
 
 
+@functools.cache  # (a name's answer, asked millions of times in a search at 405B)
 def layer_of(name):
     match = re.search(r"\.layers\.(\d+)\.", name)
     return int(match.group(1)) if match else None
@@ -448,8 +449,11 @@ def refusal(layout, config, args):
 
 def tp_dim(name, layout):
     """The dim that tensor parallelism splits (chapter 06's plan), or None for a weight it replicates."""
-    if layout.tp == 1:
-        return None
+    return None if layout.tp == 1 else tensor_parallel_dim(name)
+
+
+@functools.cache  # (a name's answer, asked millions of times in a search at 405B)
+def tensor_parallel_dim(name):
     if re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$", name):
         return 0
     if re.search(r"\.(o_proj|down_proj)\.weight$", name):

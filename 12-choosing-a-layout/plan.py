@@ -91,8 +91,8 @@ def get_parser():
                         help="Hugging Face id, local folder or config.json (default: Llama 3.1 405B's config)")
     cluster = parser.add_argument_group("the cluster")
     cluster.add_argument("--gpu", choices=GPUS, default="h100", help="memory, peak and bandwidths of a preset")
-    cluster.add_argument("--nodes", type=int, default=8)
-    cluster.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node (one per GPU)")
+    cluster.add_argument("--nodes", type=positive_int, default=8)
+    cluster.add_argument("--gpus-per-node", type=positive_int, default=8, help="ranks per node (one per GPU)")
     cluster.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU (default: the preset's)")
     cluster.add_argument("--host-memory-gb", type=float, default=2048.0, help="CPU memory of one node")
     cluster.add_argument("--headroom-gb", type=float, default=6.0,
@@ -106,21 +106,21 @@ def get_parser():
                          help="host memory GB/s that one rank's AdamW step on the CPU gets (--cpu-offload; an "
                               "assumption: a node's 8 ranks share its memory bandwidth)")
     batch = parser.add_argument_group("the batch")
-    batch.add_argument("-s", "--seq-length", type=int, default=8192)
-    batch.add_argument("-b", "--batch-size", type=int, default=1, help="sequences in one forward on one rank")
-    batch.add_argument("--global-batch-size", type=int,
+    batch.add_argument("-s", "--seq-length", type=positive_int, default=8192)
+    batch.add_argument("-b", "--batch-size", type=positive_int, default=1, help="sequences in one forward on one rank")
+    batch.add_argument("--global-batch-size", type=positive_int,
                        help="sequences per optimizer step (default: -b on every rank, one micro-batch)")
     batch.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
     layout = parser.add_argument_group("a layout to pin (else every layout is planned)")
     layout.add_argument("--chapter", choices=sorted(set(CHAPTER_FOLDERS) - {"01", "03", "12"}),
                         help="the chapter whose script runs the layout (default: the one that teaches it)")
-    layout.add_argument("--tp", type=int)
-    layout.add_argument("--pp", type=int)
-    layout.add_argument("--cp", type=int)
-    layout.add_argument("--ep", type=int)
-    layout.add_argument("--replicate-degree", type=int)
+    layout.add_argument("--tp", type=positive_int)
+    layout.add_argument("--pp", type=positive_int)
+    layout.add_argument("--cp", type=positive_int)
+    layout.add_argument("--ep", type=positive_int)
+    layout.add_argument("--replicate-degree", type=positive_int)
     layout.add_argument("--schedule", help="a schedule that chapter 08 (all of torch's) or 09 takes")
-    layout.add_argument("--num-microbatches", type=int, help="pipeline micro-batches a step (default: all rows)")
+    layout.add_argument("--num-microbatches", type=positive_int, help="pipeline micro-batches a step (default: all rows)")
     layout.add_argument("--activation-checkpointing", action="store_true")
     layout.add_argument("--cpu-offload", action="store_true")
     layout.add_argument("--explicit-prefetch", action="store_true",
@@ -128,13 +128,20 @@ def get_parser():
     layout.add_argument("--async-checkpoint", action="store_true",
                         help="chapter 05's: count the host copy that each rank stages its checkpoint in")
     parser.add_argument("--json", action="store_true", help="print every layout as JSON")
-    parser.add_argument("--top", type=int, default=5, help="how many layouts to show (default 5)")
+    parser.add_argument("--top", type=positive_int, default=5, help="how many layouts to show (default 5)")
     parser.add_argument("--dry-run", action="store_true",
                         help="build the pinned layout with the chapter's functions on the meta device, under a "
                              "fake process group of the full world size, and compare what ranks hold")
     parser.add_argument("--dry-run-ranks", type=int, nargs="+",
                         help="the ranks to build (default: rank 0 and the rank predicted to hold the most)")
     return parser
+
+
+def positive_int(text):
+    """A count the planner takes (ranks, rows, tokens, sizes): a whole number of at least 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
 
 
 def load_config(model):

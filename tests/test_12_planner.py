@@ -317,6 +317,14 @@ def test_the_bubble_counts_every_micro_batch_of_the_accumulated_schedule():
     assert planned_layout["bubble"] == pytest.approx(7 / (32 + 7))
 
 
+@pytest.mark.parametrize("flag", ["-b", "-s", "--nodes", "--tp"])
+def test_a_count_below_one_is_refused_with_one_line(flag, models, capsys):
+    with pytest.raises(SystemExit) as stop:
+        plan["get_parser"]().parse_args([str(models["llama"]), flag, "0"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("'0' is not a whole number of at least 1")
+
+
 @pytest.mark.parametrize("model", ["llama", "tied", "moe"])
 def test_flops_per_token_are_the_chapters_mfu_count(model, models):
     config = transformers.AutoConfig.from_pretrained(models[model])

@@ -64,12 +64,7 @@ def main():
     args = get_parser().parse_args()
     if args.dry_run and not pinned(args):
         sys.exit("error: --dry-run builds one layout: pin it with its flags (--tp, --pp, --cp, --ep, ...)")
-    config = load_config(args.model)
-    shapes = parameter_shapes(config)
-    layouts = [pinned_layout(args)] if pinned(args) else candidate_layouts(config, shapes, args)
-    plans = [plan_layout(layout, config, shapes, args) for layout in layouts]
-    plans.sort(key=lambda plan: (not plan["fits"], plan["step_time_s"] or math.inf,
-                                 plan["peak_bytes_per_rank"] or math.inf))
+    config, shapes, layouts, plans = plan_layouts(args)
     if args.json:
         print(json.dumps(plans, indent=1))
     else:
@@ -82,6 +77,18 @@ def main():
         sys.exit(1 if failures else 0)
     if pinned(args) and not plans[0]["fits"]:
         sys.exit(1)
+
+
+def plan_layouts(args):
+    """(the config, its weights' shapes, the layouts, their plans): the pinned layout, else every one, those
+    that fit first, fastest first."""
+    config = load_config(args.model)
+    shapes = parameter_shapes(config)
+    layouts = [pinned_layout(args)] if pinned(args) else candidate_layouts(config, shapes, args)
+    plans = [plan_layout(layout, config, shapes, args) for layout in layouts]
+    plans.sort(key=lambda plan: (not plan["fits"], plan["step_time_s"] or math.inf,
+                                 plan["peak_bytes_per_rank"] or math.inf))
+    return config, shapes, layouts, plans
 
 
 def get_parser():
@@ -526,18 +533,22 @@ def unsharded_numel(name, shape, layout):
 
 def rank_weights(layout, config, shapes, rank):
     """(elements, number of weight tensors) that a rank's optimizer holds, its pipeline stages' only."""
-    num_layers = text_config(config).num_hidden_layers
-    num_stages = layout.pp * layout.stages_per_rank
     stages = stages_of_rank(layout, rank)
     elements, tensors = 0, 0
     for name, shape in shapes:
-        held = [stage for stage in stages if stage_holds(name, stage, num_stages, num_layers)]
-        if layout.pp > 1 and "embed_tokens" in name and is_tied(config) and num_stages - 1 in stages:
-            held.append(num_stages - 1)  # the last stage's head: a copy of the tied embedding
-        for _ in held:
-            elements += local_numel(name, shape, layout, rank)
-            tensors += 1
+        copies = copies_held(layout, config, name, stages)
+        elements += copies * local_numel(name, shape, layout, rank)
+        tensors += copies
     return elements, tensors
+
+
+def copies_held(layout, config, name, stages):
+    """How many copies of a weight a rank's pipeline stages hold: one a stage that holds it, and the last
+    stage's head, a copy of a tied embedding."""
+    num_layers, num_stages = text_config(config).num_hidden_layers, layout.pp * layout.stages_per_rank
+    held = sum(stage_holds(name, stage, num_stages, num_layers) for stage in stages)
+    tied_head = layout.pp > 1 and "embed_tokens" in name and is_tied(config) and num_stages - 1 in stages
+    return held + tied_head
 
 
 def state_bytes(elements, tensors):
@@ -749,16 +760,13 @@ def collectives_per_step(layout, config, shapes, args):
 def stage_elements(layout, config, shapes, stages):
     """(elements of the layers, of the rest) that a pipeline rank holding `stages` holds, before FSDP shards
     them: its tensor-parallel slices, and on the last stage the tied head's copy of the embedding."""
-    num_stages, num_layers = layout.pp * layout.stages_per_rank, text_config(config).num_hidden_layers
     layers, root = 0, 0
     for name, shape in shapes:
-        held = sum(stage_holds(name, stage, num_stages, num_layers) for stage in stages)
-        if "embed_tokens" in name and is_tied(config) and num_stages - 1 in stages:
-            held += 1
+        held = copies_held(layout, config, name, stages) * unsharded_numel(name, shape, layout)
         if layer_of(name) is None:
-            root += held * unsharded_numel(name, shape, layout)
+            root += held
         else:
-            layers += held * unsharded_numel(name, shape, layout)
+            layers += held
     return layers, root
 
 
@@ -807,7 +815,6 @@ def plan_layout(layout, config, shapes, args):
     busiest = max(on_gpu, key=on_gpu.get)
     memory, peak_bytes = by_rank[busiest], on_gpu[busiest]
     host_bytes = args.gpus_per_node * sum(memory[part] for part in on_host)
-    # activations grow with -b (at the same micro-batches a step), the rest does not
     largest_batch = largest_batch_size(layout, config, shapes, args, busiest, on_host + after_peak, usable)
     comm = collectives_per_step(layout, config, shapes, args)
     step_tokens = global_batch(layout, args) * args.seq_length

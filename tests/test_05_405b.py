@@ -117,10 +117,8 @@ planner = load_script(PLANNER)
 
 def plan(*args):
     """The planner's plan of the chapter 05 layout these command-line arguments pin, in bytes."""
-    parsed = planner["get_parser"]().parse_args(["--chapter", "05", *map(str, args)])
-    config = planner["load_config"](parsed.model)
-    layout = planner["pinned_layout"](parsed)
-    return planner["plan_layout"](layout, config, planner["parameter_shapes"](config), parsed)
+    *_, plans = planner["plan_layouts"](planner["get_parser"]().parse_args(["--chapter", "05", *map(str, args)]))
+    return plans[0]
 
 
 @pytest.fixture(scope="module")

@@ -37,9 +37,8 @@ def planned(model, ranks, *flags, nodes=1, seq_length=64):
     """(args, config, layout, the plan) for a layout pinned by chapter flags."""
     args = plan["get_parser"]().parse_args([str(model), "--nodes", str(nodes), "--gpus-per-node", str(ranks),
                                             "-s", str(seq_length), "-b", "2", *map(str, flags)])
-    config = plan["load_config"](args.model)
-    layout = plan["pinned_layout"](args)
-    return args, config, layout, plan["plan_layout"](layout, config, plan["parameter_shapes"](config), args)
+    config, _, layouts, plans = plan["plan_layouts"](args)
+    return args, config, layouts[0], plans[0]
 
 
 def dry_run(args, config, layout, planned_layout, ranks=None):

@@ -114,7 +114,8 @@ def get_parser():
                               "assumption: a node's 8 ranks share its memory bandwidth)")
     batch = parser.add_argument_group("the batch")
     batch.add_argument("-s", "--seq-length", type=positive_int, default=8192)
-    batch.add_argument("-b", "--batch-size", type=positive_int, default=1, help="sequences in one forward on one rank")
+    batch.add_argument("-b", "--batch-size", type=positive_int, default=1,
+                       help="sequences in one forward on one rank")
     batch.add_argument("--global-batch-size", type=positive_int,
                        help="sequences per optimizer step (default: -b on every rank, one micro-batch)")
     batch.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="compute dtype")
@@ -127,7 +128,8 @@ def get_parser():
     layout.add_argument("--ep", type=positive_int)
     layout.add_argument("--replicate-degree", type=positive_int)
     layout.add_argument("--schedule", help="a schedule that chapter 08 (all of torch's) or 09 takes")
-    layout.add_argument("--num-microbatches", type=positive_int, help="pipeline micro-batches a step (default: all rows)")
+    layout.add_argument("--num-microbatches", type=positive_int,
+                        help="pipeline micro-batches a step (default: all rows)")
     layout.add_argument("--activation-checkpointing", action="store_true")
     layout.add_argument("--cpu-offload", action="store_true")
     layout.add_argument("--explicit-prefetch", action="store_true",

@@ -561,19 +561,20 @@ def state_bytes(elements, tensors):
 # --- The step: activations, gathered weights, collectives, FLOPs, time ----------------------------------------
 
 
-def activation_bytes_per_token(config, layout, compute_bytes):
+def activation_bytes_per_token(config, shapes, layout, compute_bytes):
     """(bytes per token that one layer saves for backward on a rank, bytes per token outside the layers).
-    Counted from what Hugging Face's Llama saves with sdpa attention (RMSNorm in fp32), a
-    MoE layer's MLP once per expert a token goes to; tensor parallelism splits what its plan splits
-    (sequence-parallel norms included) but for the gathered inputs of the column-parallel matmuls."""
+    Counted from what Hugging Face's Llama saves with sdpa attention (RMSNorm in fp32), with Qwen3's and Gemma
+    3's norms of each head's queries and keys where the model has them, a MoE layer's MLP once per expert a
+    token goes to; tensor parallelism splits what its plan splits (sequence-parallel norms included) but for
+    the gathered inputs of the column-parallel matmuls."""
     config = text_config(config)
     b, tp, h = compute_bytes, layout.tp, config.hidden_size
     q_dim = config.num_attention_heads * head_dim(config)
     kv_dim = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim(config)
-    inter, experts = getattr(config, "intermediate_size", None) or 4 * h, num_experts(config)
-    if experts:
-        inter = (getattr(config, "moe_intermediate_size", None) or inter) * experts_per_token(config)
+    inter, experts = mlp_width(config), num_experts(config)
     norms = 2 * (4 + b) * h / tp + 2 * b * h
+    if any(".q_norm." in name for name, _ in shapes):
+        norms += (4 + b) * (q_dim + kv_dim) / tp
     # q, the attention's output, k and v, and sdpa's log-sum-exp; with context parallelism every rank keeps
     # the whole sequence's keys and values for its backward
     attention = (b * (2 * q_dim + 2 * kv_dim * layout.cp) + 4 * config.num_attention_heads) / tp
@@ -585,18 +586,23 @@ def activation_bytes_per_token(config, layout, compute_bytes):
     return per_layer, outside
 
 
-def layers_in_flight(layout, num_layers, pp_rank, microbatches):
-    """How many layers' activations of one micro-batch a rank holds at once: its stages' layers times the
-    micro-batches its schedule keeps in flight there (GPipe all; 1F1B p - r on rank r; interleaved, torch's
-    warm-up of (v-1)p + 2(p-1-r) + 1 stage passes; the V schedules about 1F1B's first rank on every rank, as
-    chapter 08 measures)."""
+def mlp_width(config):
+    """The rows of a token's MLP intermediate: a MoE layer's, once for each expert the token goes to."""
+    inter = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    if num_experts(config):
+        inter = (getattr(config, "moe_intermediate_size", None) or inter) * experts_per_token(config)
+    return inter
+
+
+def passes_in_flight(layout, pp_rank, microbatches):
+    """How many stage passes (a micro-batch through one stage) a pipeline rank holds the activations of at once,
+    at its first backward: GPipe all; 1F1B p - r on rank r; interleaved, torch's warm-up of (v-1)p + 2(p-1-r) +
+    1 stage passes; the V schedules about 1F1B's first rank on every rank, as chapter 08 measures."""
     p, m, v = layout.pp, microbatches, layout.stages_per_rank
-    if p == 1:
-        return num_layers
     interleaved = min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1)
     in_flight = {"gpipe": m * v, "1f1b": min(m, p - pp_rank), "interleaved-1f1b": interleaved,
                  "interleaved-zb": interleaved, "zbv": min(m * v, 2 * p), "dualpipev": min(m * v, 2 * p + 1)}
-    return in_flight[layout.schedule] * num_layers / (p * v)
+    return in_flight[layout.schedule]
 
 
 def bubble(layout, microbatches):
@@ -625,8 +631,9 @@ def memory_per_rank(layout, config, shapes, args, rank):
     pp_rank = rank // (layout.world // layout.pp)
     stages = stages_of_rank(layout, rank)
     holds_head = layout.pp * layout.stages_per_rank - 1 in stages
-    if layout.chapter == "09" and layout.dp > 1:
+    if layout.chapter == "09":
         # torch's pipelining keeps a stage's weights gathered and its fp32 gradients whole until the step's end
+        # (FSDP's unsharded copies: at dp 1 too)
         stage = layer * text.num_hidden_layers / layout.pp + (head if holds_head or 0 in stages else 0)
         memory.update(gathered_weights=cd * stage, gathered_gradients=4 * stage)
     elif layout.chapter in ("04", "05", "10", "11") or (layout.chapter == "07" and layout.dp > 1):
@@ -638,15 +645,43 @@ def memory_per_rank(layout, config, shapes, args, rank):
                       gathered_gradients=(cd + (4 if cd != 4 else 0)) * max(layer, head))
     elif cd != 4:
         memory["autocast_copies"] = cd * elements  # autocast's --dtype copy of each fp32 matmul weight
-    per_layer, outside = activation_bytes_per_token(config, layout, cd)
+    per_layer, outside = activation_bytes_per_token(config, shapes, layout, cd)
     tokens = args.batch_size * args.seq_length / layout.cp  # one micro-batch's tokens on a rank
     if layout.activation_checkpointing:
         # a checkpointed block keeps its input; backward recomputes one block at a time
         layer_bytes = cd * text.hidden_size * text.num_hidden_layers + per_layer
+    elif layout.pp == 1:
+        layer_bytes = per_layer * text.num_hidden_layers
     else:
-        in_flight = layers_in_flight(layout, text.num_hidden_layers, pp_rank, schedule_microbatches(layout, args))
-        layer_bytes = per_layer * in_flight
+        # a pass through a stage before the last also keeps its output (fp32 hidden states) for its backward
+        sending = sum(stage != layout.pp * layout.stages_per_rank - 1 for stage in stages) / len(stages)
+        stage_pass = (per_layer * text.num_hidden_layers / (layout.pp * layout.stages_per_rank)
+                      + sending * 4 * text.hidden_size / layout.tp)
+        microbatches = schedule_microbatches(layout, args)
+        in_flight = passes_in_flight(layout, pp_rank, microbatches)
+        layer_bytes = stage_pass * in_flight
     memory["activations"] = tokens * (layer_bytes + (outside if holds_head else 16))
+    if layout.pp > 1:
+        # The gradients come with a stage's first backward: the peak is there (the passes in flight, no
+        # gradients), or at a later backward with them, which holds one pass fewer where no forward is left to
+        # bring the count back (GPipe; 1F1B with no more micro-batches than stages after it)
+        later = min(in_flight, microbatches * layout.stages_per_rank - 1)
+        made = memory.get("gathered_gradients", memory["gradients"])  # chapter 09's whole ones, or the stage's
+        if later and tokens * stage_pass * (in_flight - later) < made:
+            memory["activations"] -= tokens * stage_pass * (in_flight - later)
+            if "gathered_gradients" not in memory:
+                memory["gradients_at_the_peak"] = made
+        else:
+            memory.pop("gathered_gradients", None)  # not made yet at the first backward, the peak
+        # torch's stages keep a receive buffer a micro-batch, for the input (all but the first stage) and the
+        # output's gradient (all but the last): fp32 hidden states, split by sequence parallelism
+        last = layout.pp * layout.stages_per_rank - 1
+        boundaries = sum((stage > 0) + (stage < last) for stage in stages)
+        memory["pipeline_buffers"] = boundaries * microbatches * tokens * 4 * text.hidden_size / layout.tp
+        if not holds_head:
+            # where no logits' gradient comes first, a layer's backward sets the peak: the gradients of the MLP's
+            # gate and up outputs are alive at once
+            memory["backward_working"] = tokens * 2 * cd * mlp_width(text) / layout.tp
     if layout.pp == 1 and not layout.cpu_offload and not gradients_at_peak(layout, args):
         # Backward frees each layer's activations as that layer's gradients arrive. Where a layer keeps less than
         # its gradients take (a checkpointed one keeps its input), the peak comes at the last layer's backward,
@@ -908,8 +943,9 @@ def largest_batch_size(layout, config, shapes, args, rank, off_gpu, usable):
 def gradients_at_peak(layout, args):
     """Whether a step's gradients are alive at its peak, the start of its first backward: zero_grad(set_to_none=
     True) frees them before the step, and only DDP's buckets (02) or an earlier micro-batch's backward (gradient
-    accumulation, a pipeline's micro-batches) bring them back by then."""
-    return layout.chapter == "02" or global_batch(layout, args) // (layout.dp * args.batch_size) > 1
+    accumulation) bring them back by then. (A pipeline's: memory_per_rank's gradients_at_the_peak.)"""
+    accumulated = global_batch(layout, args) // (layout.dp * args.batch_size) > 1
+    return layout.chapter == "02" or (layout.pp == 1 and accumulated)
 
 
 def step_time_terms(layout, config, shapes, args, comm, model_flops, busiest):

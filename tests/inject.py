@@ -60,6 +60,7 @@ INJECT=tensor-bytes   at exit, print "rank r: tensor_bytes {json}": the most byt
                       in step 2 ("peak"; from its first forward, after zero_grad, to the end of its optimizer
                       step), counting those alive at its start, each storage torch's ops make until it is freed,
                       and those FSDP resizes in place (chapter 12's check of the planned peak; not RSS)
+INJECT=collective-bytes,tensor-bytes  both probes in one run (chapter 12's two checks share a launch)
 INJECT=slow-alone     while the job has one rank (WORLD_SIZE=1), sleep 1 s after each step from the k-th on, so
                       that a one-node run cannot end before a second node (that a test starts) joins it
 
@@ -198,6 +199,125 @@ def after_optimizer_step(optimizer, args, kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
     for _ in range(2 if what == "sigint-twice" else 1):
         os.kill(os.getpid(), signal.SIGTERM if what == "sigterm" else signal.SIGINT)
+
+
+def count_collective_bytes():
+    """INJECT=collective-bytes (steps counted by count_steps, registered first)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ran_by_step = {}
+
+    def group_size(args):
+        """The size of the group a collective runs on: a ProcessGroup argument (c10d's ops) or a group's name
+        (the functional ops; no public call maps a name to its group)."""
+        for arg in args:
+            if isinstance(arg, torch.ScriptObject) and arg._type().name() == "ProcessGroup":
+                return dist.ProcessGroup.unbox(arg).size()
+        return _resolve_process_group(next(arg for arg in reversed(args) if isinstance(arg, str))).size()
+
+    def tensor_bytes(arg):
+        if isinstance(arg, (list, tuple)):
+            return sum(map(tensor_bytes, arg))
+        return arg.numel() * arg.element_size() if torch.is_tensor(arg) else 0
+
+    # c10d's ops that take (outputs, inputs, group, ...); the others reduce, broadcast or send in place
+    OUTPUT_FIRST = ("_allgather_base_", "allgather_", "allgather_coalesced_",
+                    "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_",
+                    "reduce_scatter_tensor_coalesced_", "alltoall_base_", "alltoall_", "gather_", "scatter_")
+
+    class CountCollectives(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(kind, DTensor) for kind in types):
+                return NotImplemented  # DTensor runs the op with this mode still on: its collectives count too
+            out = func(*args, **(kwargs or {}))
+            name = func.__name__.split(".")[0]
+            if func.namespace == "c10d" or (func.namespace == "_c10d_functional" and
+                                            not name.startswith(("wait", "_wrap"))):
+                if func.namespace == "_c10d_functional":
+                    sizes = tensor_bytes(args[0]), tensor_bytes(out)
+                elif name in OUTPUT_FIRST:
+                    sizes = tensor_bytes(args[1]), tensor_bytes(args[0])
+                else:
+                    sizes = tensor_bytes(args[0]), tensor_bytes(args[0])
+                ran_by_step.setdefault(steps_done + 1, []).append([name, group_size(args), *sizes])
+            return out
+
+    CountCollectives().__enter__()
+    report_at_exit(lambda: f"collective_bytes {json.dumps(ran_by_step)}")
+
+
+def track_tensor_bytes():
+    """INJECT=tensor-bytes (steps counted by count_steps, registered first)."""
+    # The most bytes of tensor storage alive at once in step 2 (from its first forward to the end of its
+    # optimizer step): the storages alive at the end of step 1 (all that Python reaches), then each new one that
+    # an op makes (seen where torch dispatches it) until it is freed, and the storages FSDP resizes in place.
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    live = {}  # id of a storage (torch keeps one Python object per storage for its life): its bytes
+    memory = {"now": 0, "peak": 0}
+
+    def track(storage):
+        """Count a storage's bytes now (a new one, or one resized in place) and forget them when it dies."""
+        if storage.device.type == "meta":
+            return
+        key = id(storage)
+        if key not in live:
+            live[key] = 0
+            weakref.finalize(storage, forget, key)
+        memory["now"] += storage.nbytes() - live[key]
+        live[key] = storage.nbytes()
+        memory["peak"] = max(memory["peak"], memory["now"])
+
+    def forget(key):
+        memory["now"] -= live.pop(key)
+
+    class TrackStorages(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(issubclass(kind, DTensor) for kind in types):
+                return NotImplemented  # DTensor runs its local ops with this mode on: they are tracked
+            out = func(*args, **(kwargs or {}))
+            for tensor in (out if isinstance(out, (list, tuple)) else [out]):
+                if isinstance(tensor, torch.Tensor):
+                    track(tensor.untyped_storage())
+            return out
+
+    real_resize = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):
+        """FSDP frees and allocates a gathered weight's storage in place (resize_ to 0 and back)."""
+        result = real_resize(storage, size)
+        track(storage)
+        return result
+
+    tracking = TrackStorages()
+    forward_hooks = []
+
+    def peak_from_here(module, args):
+        """Step 2's first forward: the peak counts from here, after zero_grad freed step 1's gradients."""
+        memory["peak"] = memory["now"]
+        forward_hooks.pop().remove()
+
+    def track_step_2(optimizer, args, kwargs):
+        if steps_done == 1:
+            gc.collect()
+            for obj in gc.get_objects():
+                # (type(), not isinstance: a dead weakref.proxy raises on the latter)
+                if issubclass(type(obj), torch.Tensor) and obj.layout == torch.strided:
+                    track((obj.to_local() if isinstance(obj, DTensor) else obj).untyped_storage())
+            memory["start"] = memory["now"]
+            torch.UntypedStorage.resize_ = resize_
+            tracking.__enter__()
+            forward_hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(peak_from_here))
+        elif steps_done == 2:
+            tracking.__exit__(None, None, None)
+            torch.UntypedStorage.resize_ = real_resize
+            memory["end"] = memory["now"]
+
+    register_optimizer_step_post_hook(track_step_2)
+    report_at_exit(lambda: f"tensor_bytes {json.dumps(memory)}")
 
 
 if os.environ.get("INJECT_ROUTING") == "balanced":
@@ -429,123 +549,14 @@ elif what == "all-to-all-bytes":
         lambda module, inputs: in_training_mode.__setitem__(0, module.training))
     register_optimizer_step_post_hook(count_steps)
     report_at_exit(lambda: f"all_to_all_bytes {json.dumps(sent_by_step)}")
-elif what == "collective-bytes":
-    from torch.distributed.distributed_c10d import _resolve_process_group
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    ran_by_step = {}
-
-    def group_size(args):
-        """The size of the group a collective runs on: a ProcessGroup argument (c10d's ops) or a group's name
-        (the functional ops; no public call maps a name to its group)."""
-        for arg in args:
-            if isinstance(arg, torch.ScriptObject) and arg._type().name() == "ProcessGroup":
-                return dist.ProcessGroup.unbox(arg).size()
-        return _resolve_process_group(next(arg for arg in reversed(args) if isinstance(arg, str))).size()
-
-    def tensor_bytes(arg):
-        if isinstance(arg, (list, tuple)):
-            return sum(map(tensor_bytes, arg))
-        return arg.numel() * arg.element_size() if torch.is_tensor(arg) else 0
-
-    # c10d's ops that take (outputs, inputs, group, ...); the others reduce, broadcast or send in place
-    OUTPUT_FIRST = ("_allgather_base_", "allgather_", "allgather_coalesced_",
-                    "allgather_into_tensor_coalesced_", "_reduce_scatter_base_", "reduce_scatter_",
-                    "reduce_scatter_tensor_coalesced_", "alltoall_base_", "alltoall_", "gather_", "scatter_")
-
-    class CountCollectives(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(issubclass(kind, DTensor) for kind in types):
-                return NotImplemented  # DTensor runs the op with this mode still on: its collectives count too
-            out = func(*args, **(kwargs or {}))
-            name = func.__name__.split(".")[0]
-            if func.namespace == "c10d" or (func.namespace == "_c10d_functional" and
-                                            not name.startswith(("wait", "_wrap"))):
-                if func.namespace == "_c10d_functional":
-                    sizes = tensor_bytes(args[0]), tensor_bytes(out)
-                elif name in OUTPUT_FIRST:
-                    sizes = tensor_bytes(args[1]), tensor_bytes(args[0])
-                else:
-                    sizes = tensor_bytes(args[0]), tensor_bytes(args[0])
-                ran_by_step.setdefault(steps_done + 1, []).append([name, group_size(args), *sizes])
-            return out
-
-    make_causal_masks_outside_dispatch_modes()
-    CountCollectives().__enter__()
+elif set(what.split(",")) <= {"collective-bytes", "tensor-bytes"}:
+    # one or both of chapter 12's probes (INJECT=collective-bytes,tensor-bytes: one run serves both checks)
     register_optimizer_step_post_hook(count_steps)
-    report_at_exit(lambda: f"collective_bytes {json.dumps(ran_by_step)}")
-elif what == "tensor-bytes":
-    # The most bytes of tensor storage alive at once in step 2 (from its first forward to the end of its
-    # optimizer step): the storages alive at the end of step 1 (all that Python reaches), then each new one that
-    # an op makes (seen where torch dispatches it) until it is freed, and the storages FSDP resizes in place.
-    import weakref
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    live = {}  # id of a storage (torch keeps one Python object per storage for its life): its bytes
-    memory = {"now": 0, "peak": 0}
-
-    def track(storage):
-        """Count a storage's bytes now (a new one, or one resized in place) and forget them when it dies."""
-        if storage.device.type == "meta":
-            return
-        key = id(storage)
-        if key not in live:
-            live[key] = 0
-            weakref.finalize(storage, forget, key)
-        memory["now"] += storage.nbytes() - live[key]
-        live[key] = storage.nbytes()
-        memory["peak"] = max(memory["peak"], memory["now"])
-
-    def forget(key):
-        memory["now"] -= live.pop(key)
-
-    class TrackStorages(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(issubclass(kind, DTensor) for kind in types):
-                return NotImplemented  # DTensor runs its local ops with this mode on: they are tracked
-            out = func(*args, **(kwargs or {}))
-            for tensor in (out if isinstance(out, (list, tuple)) else [out]):
-                if isinstance(tensor, torch.Tensor):
-                    track(tensor.untyped_storage())
-            return out
-
-    real_resize = torch.UntypedStorage.resize_
-
-    def resize_(storage, size):
-        """FSDP frees and allocates a gathered weight's storage in place (resize_ to 0 and back)."""
-        result = real_resize(storage, size)
-        track(storage)
-        return result
-
-    tracking = TrackStorages()
     make_causal_masks_outside_dispatch_modes()
-    forward_hooks = []
-
-    def peak_from_here(module, args):
-        """Step 2's first forward: the peak counts from here, after zero_grad freed step 1's gradients."""
-        memory["peak"] = memory["now"]
-        forward_hooks.pop().remove()
-
-    def track_step_2(optimizer, args, kwargs):
-        count_steps(optimizer, args, kwargs)
-        if steps_done == 1:
-            gc.collect()
-            for obj in gc.get_objects():
-                # (type(), not isinstance: a dead weakref.proxy raises on the latter)
-                if issubclass(type(obj), torch.Tensor) and obj.layout == torch.strided:
-                    track((obj.to_local() if isinstance(obj, DTensor) else obj).untyped_storage())
-            memory["start"] = memory["now"]
-            torch.UntypedStorage.resize_ = resize_
-            tracking.__enter__()
-            forward_hooks.append(torch.nn.modules.module.register_module_forward_pre_hook(peak_from_here))
-        elif steps_done == 2:
-            tracking.__exit__(None, None, None)
-            torch.UntypedStorage.resize_ = real_resize
-            memory["end"] = memory["now"]
-
-    register_optimizer_step_post_hook(track_step_2)
-    report_at_exit(lambda: f"tensor_bytes {json.dumps(memory)}")
+    if "collective-bytes" in what.split(","):
+        count_collective_bytes()
+    if "tensor-bytes" in what.split(","):
+        track_tensor_bytes()
 elif what == "saved-activations":
     from torch.nn import Parameter
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import CHAPTERS, INJECT, ROOT, inject_env, offline_env, run_chapter, write_tiny_model
+from conftest import CHAPTERS, INJECT, ROOT, inject_env, offline_env, write_tiny_model
 from launching import load_script
 
 PLANNER = ROOT / "12-choosing-a-layout" / "plan.py"
@@ -137,117 +137,115 @@ def planned_by_kind(comm_bytes_per_step):
     return by_kind
 
 
-# name: (chapter, ranks, the chapter's flags, the planner's flags for the same layout and batch); chapters 08
-# and 09 split -b 8 into 4 micro-batches of 2 rows, which the planner's -b counts (a step: 16 rows at dp 2)
+# name: (chapter, ranks, model, the chapter's flags, the planner's flags for the same layout and batch). Each
+# layout is one real run, -b 2 -s 256 in fp32, that serves both checks below; chapters 08 and 09 split -b 8 into
+# 4 micro-batches of 2 rows, which the planner's -b counts (a step: 16 rows at dp 2)
 PIPELINE = ["-b", 2, "--global-batch-size", 8, "--num-microbatches", 4]
 PIPELINE_DP2 = ["-b", 2, "--global-batch-size", 16, "--num-microbatches", 4]
-COUNTED = {
-    "02-ddp": ("02", 2, [], ["--chapter", "02"]),
-    "04-fsdp": ("04", 2, [], ["--chapter", "04"]),
-    "04-tied": ("04", 2, ["-m", "{tied}"], ["--chapter", "04"]),
-    "06-tp2": ("06", 2, [], ["--tp", 2, "--global-batch-size", 8]),
-    "07-dp2-tp2": ("07", 4, ["--tp", 2], ["--tp", 2, "--global-batch-size", 16]),
-    "08-1f1b": ("08", 2, [], ["--pp", 2, *PIPELINE]),
-    "08-1f1b-tied": ("08", 2, ["-m", "{tied}"], ["--pp", 2, *PIPELINE]),
-    "09-pp2-tp2": ("09", 4, ["--pp", 2, "--tp", 2], ["--pp", 2, "--tp", 2, *PIPELINE]),
-    # (gpipe, interleaved-zb and dualpipev send as 1f1b, interleaved-1f1b and zbv do: measured equal, untested)
-    **{f"08-{schedule}": ("08", 2, ["--schedule", schedule], ["--pp", 2, "--schedule", schedule, *PIPELINE])
-       for schedule in ("interleaved-1f1b", "zbv")},
-    "09-pp2-dp2": ("09", 4, ["--pp", 2, "--tp", 1], ["--pp", 2, "--chapter", "09", *PIPELINE_DP2]),
-    "09-pp2-dp2-interleaved-tied": (
-        "09", 4, ["-m", "{tied}", "--pp", 2, "--tp", 1, "--schedule", "interleaved-1f1b"],
-        ["--pp", 2, "--chapter", "09", "--schedule", "interleaved-1f1b", *PIPELINE_DP2]),
-    # (the cp ranks of a dp group train the same rows: a step is -b 8 rows a dp rank)
-    "10-cp2": ("10", 2, ["--cp", 2], ["--cp", 2, "--global-batch-size", 8]),
-    "10-dp2-cp2": ("10", 4, ["--cp", 2], ["--cp", 2, "--global-batch-size", 16]),
-    # experts routed as by a perfectly balanced router (tests/inject.py's INJECT_ROUTING); the tiny Mixtral's own
-    # router put the busiest rank's exchange 0.1% (ep 2) and 8% (dp 2 x ep 2) above it at the second step
-    "11-ep2": ("11", 2, ["-m", "{moe}", "--ep", 2], ["--ep", 2]),
-    "11-dp2-ep2": ("11", 4, ["-m", "{moe}", "--ep", 2], ["--ep", 2]),
-}
-
-
-@pytest.mark.parametrize("case", COUNTED)
-def test_a_rank_sends_in_a_step_what_the_plan_counts_within_one_percent(case, models, tiny_dataset, tmp_path):
-    """Every collective of a real run's second step (no checkpoint in it) on its busiest rank: DDP's
-    buckets, FSDP's gathers and reduce-scatters, tensor parallelism's DTensor redistributions (loss_parallel's
-    too), the pipeline's sends, a tied matrix's gradient, the experts' token exchange (all-to-all, routed as a
-    perfectly balanced router would route); each kind within 1% of the step's bytes, so that no
-    kind's error hides behind another's. What the plan leaves out (the logged loss, norm weights' gradients
-    under TP) stays under that: 0.8% for the tiny Llama at tp 2. Sizes and counts are compared; the wire's
-    bytes are the ring model's, on both sides."""
-    chapter, ranks, flags, planner_flags = COUNTED[case]
-    flags = [str(flag).format(**models) for flag in flags]
-    model = flags[flags.index("-m") + 1] if "-m" in flags else models["llama"]
-    args = ["-m", models["llama"], "-d", tiny_dataset, "-s", 32, "--dtype", "float32", "-b", 8,
-            "--max-steps", 3, *flags]
-    env = inject_env(chapter, "collective-bytes")
-    if chapter == "11":
-        env["INJECT_ROUTING"] = "balanced"
-    run = run_chapter(chapter, args, tmp_path, nproc=ranks, script=INJECT, env=env)
-    by_rank = [json.loads(line.split(" collective_bytes ")[1]) for line in run.stdout.splitlines()
-               if " collective_bytes " in line]
-    assert len(by_rank) == ranks, run.stdout[-3000:]
-    sent_by_rank = []
-    for by_step in by_rank:
-        sent = collections.Counter()
-        for collective in by_step["2"]:
-            kind, bytes_ = kind_and_bytes_sent(*collective)
-            sent[kind] += bytes_
-        sent_by_rank.append(sent)
-    sent = max(sent_by_rank, key=lambda sent: sum(sent.values()))
-    *_, planned_layout = planned(model, ranks, "-b", 8, "--dtype", "float32", *planner_flags, seq_length=32)
-    predicted = planned_by_kind(planned_layout["comm_bytes_per_step"])
-    total = sum(predicted.values())
-    for kind in set(sent) | set(predicted):
-        assert sent[kind] == pytest.approx(predicted[kind], abs=0.01 * total), (kind, sent, predicted)
-
-
-# name: (chapter, ranks, model, the chapter's flags, the planner's flags for the same layout and batch): -b 2
-# -s 256; chapter 11's tokens routed as by a perfectly balanced router (with the model's own, 4.7% more)
-MEASURED = {
+PROBED = {
     "02-ddp": ("02", 2, "llama", [], ["--chapter", "02"]),
     "04-fsdp": ("04", 2, "llama", [], ["--chapter", "04"]),
+    "04-tied": ("04", 2, "tied", [], ["--chapter", "04"]),
     "05-activation-checkpointing": ("05", 2, "llama", ["--activation-checkpointing"],
                                     ["--activation-checkpointing"]),
     "06-tp2": ("06", 2, "llama", [], ["--tp", 2, "--global-batch-size", 2]),
     "07-dp2-tp2": ("07", 4, "llama", ["--tp", 2], ["--tp", 2, "--global-batch-size", 4]),
+    "08-1f1b": ("08", 2, "llama", ["-b", 8], ["--pp", 2, *PIPELINE]),
+    "08-1f1b-tied": ("08", 2, "tied", ["-b", 8], ["--pp", 2, *PIPELINE]),
+    # (gpipe, interleaved-zb and dualpipev send as 1f1b, interleaved-1f1b and zbv do: measured equal, untested)
+    **{f"08-{schedule}": ("08", 2, "llama", ["-b", 8, "--schedule", schedule],
+                          ["--pp", 2, "--schedule", schedule, *PIPELINE])
+       for schedule in ("interleaved-1f1b", "zbv")},
+    "09-pp2-tp2": ("09", 4, "llama", ["-b", 8, "--pp", 2, "--tp", 2], ["--pp", 2, "--tp", 2, *PIPELINE]),
+    "09-pp2-dp2": ("09", 4, "llama", ["-b", 8, "--pp", 2, "--tp", 1],
+                   ["--pp", 2, "--chapter", "09", *PIPELINE_DP2]),
+    "09-pp2-dp2-interleaved-tied": (
+        "09", 4, "tied", ["-b", 8, "--pp", 2, "--tp", 1, "--schedule", "interleaved-1f1b"],
+        ["--pp", 2, "--chapter", "09", "--schedule", "interleaved-1f1b", *PIPELINE_DP2]),
+    # (the cp ranks of a dp group train the same rows)
     "10-cp2": ("10", 2, "llama", ["--cp", 2], ["--cp", 2, "--global-batch-size", 2]),
+    "10-dp2-cp2": ("10", 4, "llama", ["--cp", 2], ["--cp", 2, "--global-batch-size", 4]),
+    # experts routed as by a perfectly balanced router (tests/inject.py's INJECT_ROUTING); see the README for
+    # what the tiny Mixtral's own router sends and holds beyond it
     "11-ep2": ("11", 2, "moe", ["--ep", 2], ["--ep", 2]),
+    "11-dp2-ep2": ("11", 4, "moe", ["--ep", 2], ["--ep", 2]),
 }
 
 
 @pytest.fixture(scope="module")
 def big_models(tmp_path_factory):
     """Hidden 512, 4 layers (a Llama of 39 MB in fp32, a Mixtral of 4 experts of 64 MB): at -s 256 a step's
-    activations outweigh the state, as in training."""
+    activations outweigh the state, as in training; four layers give a 2-rank V schedule a layer a stage."""
     folder, sizes = tmp_path_factory.mktemp("planner-big"), dict(
         hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
         max_position_embeddings=512)
     return {"llama": write_tiny_model(folder / "llama", intermediate_size=1024, **sizes),
+            "tied": write_tiny_model(folder / "tied", architecture="qwen3", intermediate_size=1024,
+                                     tie_word_embeddings=True, **sizes),
             "moe": write_tiny_model(folder / "moe", architecture="mixtral", intermediate_size=512,
                                     num_local_experts=4, num_experts_per_tok=2, **sizes)}
 
 
-@pytest.mark.parametrize("case", MEASURED)
-def test_a_rank_holds_at_the_peak_of_a_step_what_the_plan_counts_within_five_percent(
-    case, big_models, tiny_dataset, tmp_path
-):
+@pytest.fixture(scope="module")
+def probed(big_models, tiny_dataset, launch_once):
+    """probed(case): (the run of PROBED[case] with both of tests/inject.py's probes, by rank, the plan)."""
+
+    def probe(case):
+        chapter, ranks, model, flags, planner_flags = PROBED[case]
+        args = ["-m", big_models[model], "-d", tiny_dataset, "-s", 256, "--dtype", "float32", "-b", 2,
+                "--max-steps", 2, *flags]
+        env = inject_env(chapter, "collective-bytes,tensor-bytes")
+        if chapter == "11":
+            env["INJECT_ROUTING"] = "balanced"
+        run = launch_once(chapter, args, nproc=ranks, env=env, script=INJECT)
+        reports = collections.defaultdict(dict)  # by "rank r"
+        for line in run.stdout.splitlines():
+            for probe_name in ("collective_bytes", "tensor_bytes"):
+                if f" {probe_name} " in line:
+                    reports[line.split(":")[0]][probe_name] = json.loads(line.split(f" {probe_name} ")[1])
+        assert len(reports) == ranks and all(len(report) == 2 for report in reports.values()), run.stdout[-3000:]
+        *_, planned_layout = planned(big_models[model], ranks, "--dtype", "float32", *planner_flags,
+                                     seq_length=256)
+        return list(reports.values()), planned_layout
+
+    return probe
+
+
+@pytest.mark.parametrize("case", PROBED)
+def test_a_rank_sends_in_a_step_what_the_plan_counts_within_one_percent(case, probed):
+    """Every collective of a real run's second step (no checkpoint in it) on its busiest rank: DDP's
+    buckets, FSDP's gathers and reduce-scatters, tensor parallelism's DTensor redistributions (loss_parallel's
+    too), the pipeline's sends, a tied matrix's gradient, the experts' token exchange (all-to-all, routed as a
+    perfectly balanced router would route); each kind within 1% of the step's bytes, so that no
+    kind's error hides behind another's. What the plan leaves out (the logged loss, norm weights' gradients
+    under TP) stays under that. Sizes and counts are compared; the wire's bytes are the ring model's, on both
+    sides."""
+    reports, planned_layout = probed(case)
+    sent_by_rank = []
+    for report in reports:
+        sent = collections.Counter()
+        for collective in report["collective_bytes"]["2"]:
+            kind, bytes_ = kind_and_bytes_sent(*collective)
+            sent[kind] += bytes_
+        sent_by_rank.append(sent)
+    sent = max(sent_by_rank, key=lambda sent: sum(sent.values()))
+    predicted = planned_by_kind(planned_layout["comm_bytes_per_step"])
+    total = sum(predicted.values())
+    for kind in set(sent) | set(predicted):
+        assert sent[kind] == pytest.approx(predicted[kind], abs=0.01 * total), (kind, sent, predicted)
+
+
+# Not yet within 5%: torch's zero-bubble V schedule (planned / measured 0.92), whose split backward keeps what a
+# micro-batch's weight gradients need (its inputs, its outputs' gradients) until that half of the backward runs
+@pytest.mark.parametrize("case", [case for case in PROBED if case != "08-zbv"])
+def test_a_rank_holds_at_the_peak_of_a_step_what_the_plan_counts_within_five_percent(case, probed):
     """The most tensor bytes alive at once on any rank in a real run's second step (tests/inject.py's
     tensor-bytes: every storage torch's ops make, until freed) against the plan's peak: the state, the
     gathered weights and gradients and the activations, without the gradients that zero_grad freed (with
-    checkpointing, at the last layer's backward with the others' gradients)."""
-    chapter, ranks, model, flags, planner_flags = MEASURED[case]
-    args = ["-m", big_models[model], "-d", tiny_dataset, "-s", 256, "--dtype", "float32", "-b", 2,
-            "--max-steps", 3, *flags]
-    env = inject_env(chapter, "tensor-bytes")
-    if chapter == "11":
-        env["INJECT_ROUTING"] = "balanced"
-    run = run_chapter(chapter, args, tmp_path, nproc=ranks, script=INJECT, env=env)
-    peaks = [json.loads(line.split(" tensor_bytes ")[1])["peak"] for line in run.stdout.splitlines()
-             if " tensor_bytes " in line]
-    assert len(peaks) == ranks, run.stdout[-3000:]
-    *_, planned_layout = planned(big_models[model], ranks, "--dtype", "float32", *planner_flags, seq_length=256)
+    checkpointing, at the last layer's backward with the others' gradients; in a pipeline, the micro-batches in
+    flight at a backward, the stages' receive buffers and kept outputs)."""
+    reports, planned_layout = probed(case)
+    peaks = [report["tensor_bytes"]["peak"] for report in reports]
     assert planned_layout["peak_bytes_per_rank"] == pytest.approx(max(peaks), rel=0.05), (peaks, planned_layout)
 
 

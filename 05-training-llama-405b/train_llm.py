@@ -293,9 +293,9 @@ def shard_model(model, mesh, compute_dtype, cpu_offload, reshard_after_forward, 
         for block in blocks:
             fully_shard(block, **fsdp_options, reshard_after_forward=reshard_after_forward)
     if explicit_prefetch:
-        # FSDP2 by default issues block i+1's all-gather only when block i+1 starts (forward), or when its
-        # gradients are needed (backward). Naming the next block here starts it while block i computes, so the
-        # network and the GPU overlap, for one more gathered block of weights (chapter 12's planner counts it).
+        # In forward FSDP2 issues block i+1's all-gather only when block i+1 starts; naming the next block here
+        # starts it while block i computes, so the network and the GPU overlap, for one more gathered block in
+        # forward. (Backward prefetches a block by default: the peak of a step is the same, chapter 12 measures.)
         for block, next_block in zip(blocks, blocks[1:]):
             block.set_modules_to_forward_prefetch([next_block])
             next_block.set_modules_to_backward_prefetch([block])

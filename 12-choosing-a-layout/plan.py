@@ -637,11 +637,10 @@ def memory_per_rank(layout, config, shapes, args, rank):
         stage = layer * text.num_hidden_layers / layout.pp + (head if holds_head or 0 in stages else 0)
         memory.update(gathered_weights=cd * stage, gathered_gradients=4 * stage)
     elif layout.chapter in ("04", "05", "10", "11") or (layout.chapter == "07" and layout.dp > 1):
-        # the layer computing and the next one arriving (with explicit prefetch one more), or the head, which
-        # stays gathered from its forward to its backward; in backward a layer's (or the head's) whole gradients
-        # in --dtype, and reduced in fp32
-        layers_gathered = 3 if layout.explicit_prefetch else 2
-        memory.update(gathered_weights=cd * max(layers_gathered * layer, 2 * head),
+        # the layer computing and the next one arriving, or the head, which stays gathered from its forward to
+        # its backward; in backward a layer's (or the head's) whole gradients in --dtype, and reduced in fp32.
+        # (Explicit prefetch's third layer is gathered only while the forward runs, below the peak: measured.)
+        memory.update(gathered_weights=cd * max(2 * layer, 2 * head),
                       gathered_gradients=(cd + (4 if cd != 4 else 0)) * max(layer, head))
     elif cd != 4:
         memory["autocast_copies"] = cd * elements  # autocast's --dtype copy of each fp32 matmul weight

@@ -133,7 +133,7 @@ def get_parser():
     layout.add_argument("--activation-checkpointing", action="store_true")
     layout.add_argument("--cpu-offload", action="store_true")
     layout.add_argument("--explicit-prefetch", action="store_true",
-                        help="chapter 05's: start the next block's gather early (one more gathered block)")
+                        help="chapter 05's: start the next block's gather early (in forward; not at the peak)")
     layout.add_argument("--async-checkpoint", action="store_true",
                         help="chapter 05's: count the host copy that each rank stages its checkpoint in")
     parser.add_argument("--json", action="store_true", help="print every layout as JSON")
@@ -562,11 +562,12 @@ def state_bytes(elements, tensors):
 
 
 def activation_bytes_per_token(config, shapes, layout, compute_bytes):
-    """(bytes per token that one layer saves for backward on a rank, bytes per token outside the layers).
-    Counted from what Hugging Face's Llama saves with sdpa attention (RMSNorm in fp32), with Qwen3's and Gemma
-    3's norms of each head's queries and keys where the model has them, a MoE layer's MLP once per expert a
-    token goes to; tensor parallelism splits what its plan splits (sequence-parallel norms included) but for
-    the gathered inputs of the column-parallel matmuls."""
+    """(bytes per token that one layer saves for backward on a rank, that the head and the loss save, and the
+    logits' gradient at the start of backward). Counted from what Hugging Face's Llama saves with sdpa
+    attention (RMSNorm in fp32), with Qwen3's and Gemma 3's norms of each head's queries and keys where the
+    model has them (not Gemma's norms around the MLP), a MoE layer's MLP once per expert a token goes to;
+    tensor parallelism splits what its plan splits (sequence-parallel norms included) but for the gathered
+    inputs of the column-parallel matmuls."""
     config = text_config(config)
     b, tp, h = compute_bytes, layout.tp, config.hidden_size
     q_dim = config.num_attention_heads * head_dim(config)
@@ -580,10 +581,10 @@ def activation_bytes_per_token(config, shapes, layout, compute_bytes):
     attention = (b * (2 * q_dim + 2 * kv_dim * layout.cp) + 4 * config.num_attention_heads) / tp
     mlp = 4 * b * inter / tp + 4 * experts  # gate, silu(gate), up, their product; the router's logits
     per_layer = norms + attention + mlp + 8
-    # the final norm, the logits the loss keeps (log-softmax in fp32) and the logits, the token ids and labels,
-    # and at the start of backward the gradient of the logits (fp32, then --dtype)
-    outside = (4 + 2 * b) * h + 2 * (4 + b) * config.vocab_size / tp + 16
-    return per_layer, outside
+    # the final norm, the logits the loss keeps (log-softmax in fp32) and the logits, the token ids and labels;
+    # at the start of backward the gradient of the logits (fp32, then --dtype)
+    head = (4 + 2 * b) * h + (4 + b) * config.vocab_size / tp + 16
+    return per_layer, head, (4 + b) * config.vocab_size / tp
 
 
 def mlp_width(config):
@@ -644,14 +645,10 @@ def memory_per_rank(layout, config, shapes, args, rank):
                       gathered_gradients=(cd + (4 if cd != 4 else 0)) * max(layer, head))
     elif cd != 4:
         memory["autocast_copies"] = cd * elements  # autocast's --dtype copy of each fp32 matmul weight
-    per_layer, outside = activation_bytes_per_token(config, shapes, layout, cd)
+    per_layer, head_saves, logits_gradient = activation_bytes_per_token(config, shapes, layout, cd)
     tokens = args.batch_size * args.seq_length / layout.cp  # one micro-batch's tokens on a rank
-    if layout.activation_checkpointing:
-        # a checkpointed block keeps its input; backward recomputes one block at a time
-        layer_bytes = cd * text.hidden_size * text.num_hidden_layers + per_layer
-    elif layout.pp == 1:
-        layer_bytes = per_layer * text.num_hidden_layers
-    else:
+    head_passes = 1  # the micro-batches whose head and loss activations are held at once
+    if layout.pp > 1:
         # a pass through a stage before the last also keeps its output (fp32 hidden states) for its backward
         sending = sum(stage != layout.pp * layout.stages_per_rank - 1 for stage in stages) / len(stages)
         stage_pass = (per_layer * text.num_hidden_layers / (layout.pp * layout.stages_per_rank)
@@ -659,19 +656,26 @@ def memory_per_rank(layout, config, shapes, args, rank):
         microbatches = schedule_microbatches(layout, args)
         in_flight = passes_in_flight(layout, pp_rank, microbatches)
         layer_bytes = stage_pass * in_flight
-    memory["activations"] = tokens * (layer_bytes + (outside if holds_head else 16))
+        head_passes = microbatches if layout.schedule == "gpipe" else 1  # GPipe runs every forward first
+    elif layout.activation_checkpointing:
+        # a checkpointed block keeps its input; backward recomputes one block at a time
+        layer_bytes = cd * text.hidden_size * text.num_hidden_layers + per_layer
+    else:
+        layer_bytes = per_layer * text.num_hidden_layers
+    head_bytes = head_passes * head_saves + logits_gradient if holds_head else 16
+    memory["activations"] = tokens * (layer_bytes + head_bytes)
     if layout.pp > 1:
         # The gradients come with a stage's first backward: the peak is there (the passes in flight, no
         # gradients), or at a later backward with them, which holds one pass fewer where no forward is left to
-        # bring the count back (GPipe; 1F1B with no more micro-batches than stages after it)
+        # bring the count back (GPipe; 1F1B with no more micro-batches than the stages from it to the last)
         later = min(in_flight, microbatches * layout.stages_per_rank - 1)
         made = memory.get("gathered_gradients", memory["gradients"])  # chapter 09's whole ones, or the stage's
-        if later and tokens * stage_pass * (in_flight - later) < made:
+        if tokens * stage_pass * (in_flight - later) < made:
             memory["activations"] -= tokens * stage_pass * (in_flight - later)
             if "gathered_gradients" not in memory:
                 memory["gradients_at_the_peak"] = made
         else:
-            memory.pop("gathered_gradients", None)  # not made yet at the first backward, the peak
+            memory.pop("gathered_gradients", None)  # chapter 09's: made after the peak, the first backward
         # torch's stages keep a receive buffer a micro-batch, for the input (all but the first stage) and the
         # output's gradient (all but the last): fp32 hidden states, split by sequence parallelism
         last = layout.pp * layout.stages_per_rank - 1

@@ -1,4 +1,4 @@
-"""Run a chapter's train_llm.py unchanged, plus one fault or probe at a known optimizer step.
+"""Run a chapter's train_llm.py unchanged, plus one fault or probe (or two probes) at a known optimizer step.
 
     INJECT_SCRIPT=<path to train_llm.py> INJECT=<what> [INJECT_RANK=r] [INJECT_AFTER_STEP=k] \
         python tests/inject.py <the script's flags>          # or: torchrun ... tests/inject.py <flags>

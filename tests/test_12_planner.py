@@ -176,8 +176,9 @@ PROBED = {
 
 @pytest.fixture(scope="module")
 def big_models(tmp_path_factory):
-    """Hidden 512, 4 layers (a Llama of 39 MB in fp32, a Mixtral of 4 experts of 64 MB): at -s 256 a step's
-    activations outweigh the state, as in training; four layers give a 2-rank V schedule a layer a stage."""
+    """Hidden 512, 4 layers (a Llama of 39 MB in fp32, a tied Qwen3 with its per-head norms, a Mixtral of 4
+    experts of 64 MB): at -s 256 a step's activations outweigh the state, as in training; four layers give a
+    2-rank V schedule a layer a stage."""
     folder, sizes = tmp_path_factory.mktemp("planner-big"), dict(
         hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
         max_position_embeddings=512)
@@ -216,7 +217,7 @@ def probed(big_models, tiny_dataset, launch_once):
 @pytest.mark.parametrize("case", PROBED)
 def test_a_rank_sends_in_a_step_what_the_plan_counts_within_one_percent(case, probed):
     """Every collective of a real run's second step (no checkpoint in it) on its busiest rank: DDP's
-    buckets, FSDP's gathers and reduce-scatters, tensor parallelism's DTensor redistributions (loss_parallel's
+    buckets, FSDP's gathers and reduce-scatters (HSDP's all-reduce across copies), tensor parallelism's DTensor redistributions (loss_parallel's
     too), the pipeline's sends, a tied matrix's gradient, the experts' token exchange (all-to-all, routed as a
     perfectly balanced router would route); each kind within 1% of the step's bytes, so that no
     kind's error hides behind another's. What the plan leaves out (the logged loss, norm weights' gradients

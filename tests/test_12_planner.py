@@ -7,6 +7,7 @@ import collections
 import contextlib
 import io
 import json
+import re
 import subprocess
 import sys
 import time
@@ -201,11 +202,9 @@ def probed(big_models, tiny_dataset, launch_once):
         if chapter == "11":
             env["INJECT_ROUTING"] = "balanced"
         run = launch_once(chapter, args, nproc=ranks, env=env, script=INJECT)
-        reports = collections.defaultdict(dict)  # by "rank r"
-        for line in run.stdout.splitlines():
-            for probe_name in ("collective_bytes", "tensor_bytes"):
-                if f" {probe_name} " in line:
-                    reports[line.split(":")[0]][probe_name] = json.loads(line.split(f" {probe_name} ")[1])
+        reports = collections.defaultdict(dict)  # by rank; (a line may follow another rank's unfinished print)
+        for rank, probe_name, report in re.findall(r"rank (\d+): (collective_bytes|tensor_bytes) (.*)", run.stdout):
+            reports[rank][probe_name] = json.loads(report)
         assert len(reports) == ranks and all(len(report) == 2 for report in reports.values()), run.stdout[-3000:]
         *_, planned_layout = planned(big_models[model], ranks, "--dtype", "float32", *planner_flags,
                                      seq_length=256)

@@ -631,7 +631,8 @@ def memory_per_rank(layout, config, shapes, args, rank):
                if name.endswith(("embed_tokens.weight", "lm_head.weight")))
     pp_rank = rank // (layout.world // layout.pp)
     stages = stages_of_rank(layout, rank)
-    holds_head = layout.pp * layout.stages_per_rank - 1 in stages
+    last_stage = layout.pp * layout.stages_per_rank - 1
+    holds_head = last_stage in stages
     if layout.chapter == "09":
         # torch's pipelining keeps a stage's weights gathered and its fp32 gradients whole until the step's end
         # (FSDP's unsharded copies: at dp 1 too)
@@ -650,7 +651,7 @@ def memory_per_rank(layout, config, shapes, args, rank):
     head_passes = 1  # the micro-batches whose head and loss activations are held at once
     if layout.pp > 1:
         # a pass through a stage before the last also keeps its output (fp32 hidden states) for its backward
-        sending = sum(stage != layout.pp * layout.stages_per_rank - 1 for stage in stages) / len(stages)
+        sending = sum(stage != last_stage for stage in stages) / len(stages)
         stage_pass = (per_layer * text.num_hidden_layers / (layout.pp * layout.stages_per_rank)
                       + sending * 4 * text.hidden_size / layout.tp)
         microbatches = schedule_microbatches(layout, args)
@@ -678,8 +679,7 @@ def memory_per_rank(layout, config, shapes, args, rank):
             memory.pop("gathered_gradients", None)  # chapter 09's: made after the peak, the first backward
         # torch's stages keep a receive buffer a micro-batch, for the input (all but the first stage) and the
         # output's gradient (all but the last): fp32 hidden states, split by sequence parallelism
-        last = layout.pp * layout.stages_per_rank - 1
-        boundaries = sum((stage > 0) + (stage < last) for stage in stages)
+        boundaries = sum((stage > 0) + (stage < last_stage) for stage in stages)
         memory["pipeline_buffers"] = boundaries * microbatches * tokens * 4 * text.hidden_size / layout.tp
         if not holds_head:
             # where no logits' gradient comes first, a layer's backward sets the peak: the gradients of the MLP's

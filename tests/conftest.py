@@ -236,11 +236,17 @@ def missing_system_tool(reason):
     pytest.skip(reason)
 
 
+def probe_reports(run, probe):
+    """{rank: report} from the "rank r: <probe> {json}" lines of tests/inject.py's probes, wherever such a line
+    starts (it can follow another rank's unfinished print)."""
+    return {int(rank): json.loads(report) for rank, report in re.findall(rf"rank (\d+): {probe} (\{{.*\}})$",
+                                                                         run.stdout, re.MULTILINE)}
+
+
 def shard_bytes(run):
     """{rank: {"parameters"|"gradients"|"optimizer_state": [bytes on the rank, bytes of the whole model]}} from
     tests/inject.py's shard-bytes probe."""
-    return {int(rank): json.loads(numbers)
-            for rank, numbers in re.findall(r"^rank (\d+): shard_bytes (\{.*\})$", run.stdout, re.MULTILINE)}
+    return probe_reports(run, "shard_bytes")
 
 
 @contextlib.contextmanager

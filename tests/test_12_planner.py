@@ -7,7 +7,6 @@ import collections
 import contextlib
 import io
 import json
-import re
 import subprocess
 import sys
 import time
@@ -16,7 +15,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import CHAPTERS, INJECT, ROOT, inject_env, offline_env, write_tiny_model
+from conftest import CHAPTERS, INJECT, ROOT, inject_env, offline_env, probe_reports, write_tiny_model
 from launching import load_script
 
 PLANNER = ROOT / "12-choosing-a-layout" / "plan.py"
@@ -202,13 +201,13 @@ def probed(big_models, tiny_dataset, launch_once):
         if chapter == "11":
             env["INJECT_ROUTING"] = "balanced"
         run = launch_once(chapter, args, nproc=ranks, env=env, script=INJECT)
-        reports = collections.defaultdict(dict)  # by rank; (a line may follow another rank's unfinished print)
-        for rank, probe_name, report in re.findall(r"rank (\d+): (collective_bytes|tensor_bytes) (.*)", run.stdout):
-            reports[rank][probe_name] = json.loads(report)
-        assert len(reports) == ranks and all(len(report) == 2 for report in reports.values()), run.stdout[-3000:]
+        collective_bytes, tensor_bytes = probe_reports(run, "collective_bytes"), probe_reports(run, "tensor_bytes")
+        assert len(collective_bytes) == len(tensor_bytes) == ranks, run.stdout[-3000:]
+        reports = [{"collective_bytes": collective_bytes[rank], "tensor_bytes": tensor_bytes[rank]}
+                   for rank in range(ranks)]
         *_, planned_layout = planned(big_models[model], ranks, "--dtype", "float32", *planner_flags,
                                      seq_length=256)
-        return list(reports.values()), planned_layout
+        return reports, planned_layout
 
     return probe
 

@@ -535,19 +535,20 @@ def unsharded_numel(name, shape, layout):
 
 def rank_weights(layout, config, shapes, rank):
     """(elements, number of weight tensors) that a rank's optimizer holds, its pipeline stages' only."""
-    stages = stages_of_rank(layout, rank)
+    stages, num_layers = stages_of_rank(layout, rank), text_config(config).num_hidden_layers
     elements, tensors = 0, 0
     for name, shape in shapes:
-        copies = copies_held(layout, config, name, stages)
+        copies = copies_held(layout, config, name, stages, num_layers)
         elements += copies * local_numel(name, shape, layout, rank)
         tensors += copies
     return elements, tensors
 
 
-def copies_held(layout, config, name, stages):
+def copies_held(layout, config, name, stages, num_layers):
     """How many copies of a weight a rank's pipeline stages hold: one a stage that holds it, and the last
-    stage's head, a copy of a tied embedding."""
-    num_layers, num_stages = text_config(config).num_hidden_layers, layout.pp * layout.stages_per_rank
+    stage's head, a copy of a tied embedding. (The callers read num_layers once: a transformers config's
+    attributes are slow to read, and 405B's plans ask millions of times.)"""
+    num_stages = layout.pp * layout.stages_per_rank
     held = sum(stage_holds(name, stage, num_stages, num_layers) for stage in stages)
     tied_head = layout.pp > 1 and "embed_tokens" in name and is_tied(config) and num_stages - 1 in stages
     return held + tied_head
@@ -800,9 +801,9 @@ def collectives_per_step(layout, config, shapes, args):
 def stage_elements(layout, config, shapes, stages):
     """(elements of the layers, of the rest) that a pipeline rank holding `stages` holds, before FSDP shards
     them: its tensor-parallel slices, and on the last stage the tied head's copy of the embedding."""
-    layers, root = 0, 0
+    layers, root, num_layers = 0, 0, text_config(config).num_hidden_layers
     for name, shape in shapes:
-        held = copies_held(layout, config, name, stages) * unsharded_numel(name, shape, layout)
+        held = copies_held(layout, config, name, stages, num_layers) * unsharded_numel(name, shape, layout)
         if layer_of(name) is None:
             root += held
         else:

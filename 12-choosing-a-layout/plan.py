@@ -54,6 +54,7 @@ GPUS = {
                  pcie_gb_per_s=50),
 }
 PIPELINES = ("08", "09")
+SPLIT_BACKWARD = ("interleaved-zb", "zbv")  # the zero-bubble schedules whose halves of a backward run apart
 # the dtypes of a safetensors header (safe_open's get_dtype() names), as torch's
 STORED_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                  "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
@@ -599,24 +600,58 @@ def mlp_width(config):
 def passes_in_flight(layout, pp_rank, microbatches):
     """How many stage passes (a micro-batch through one stage) a pipeline rank holds the activations of at once,
     at its first backward: GPipe all; 1F1B p - r on rank r; interleaved, torch's warm-up of (v-1)p + 2(p-1-r) +
-    1 stage passes; the V schedules about 1F1B's first rank on every rank, as chapter 08 measures."""
+    1 stage passes; DualPipeV 2p + 1 at most (the zero-bubble ones: split_backward_passes)."""
     p, m, v = layout.pp, microbatches, layout.stages_per_rank
-    interleaved = min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1)
-    in_flight = {"gpipe": m * v, "1f1b": min(m, p - pp_rank), "interleaved-1f1b": interleaved,
-                 "interleaved-zb": interleaved, "zbv": min(m * v, 2 * p), "dualpipev": min(m * v, 2 * p + 1)}
+    in_flight = {"gpipe": m * v, "1f1b": min(m, p - pp_rank),
+                 "interleaved-1f1b": min(m * v, (v - 1) * p + 2 * (p - 1 - pp_rank) + 1),
+                 "dualpipev": min(m * v, 2 * p + 1)}
     return in_flight[layout.schedule]
+
+
+def split_backward_passes(layout, microbatches, pp_rank, stage_pass, kept_for_weights):
+    """(passes in flight, passes whose input halves of the backward have run but not their weight halves) at the
+    peak of pipeline rank r under torch's order of the halves, checked against it for p <= 8 (v <= 4, m <= 5p):
+    - interleaved zero bubble: a warm-up of w = (v-1)q + p-1-r forwards (q micro-batches a round), then rank r
+      holds back its weight halves r steps: w + r + 1 passes, r + 1 of them split;
+    - ZBV: its warm-up's up to 2p passes, one split, or its cool-down's, where rank r runs 2r + 1 input halves
+      ahead of their weight halves with p + r passes alive (2(m - p) + 1 at most of either). Exact for
+      m >= 2p - 1; below it an upper bound, exact on the rank that holds the most."""
+    p, m, v, r = layout.pp, microbatches, layout.stages_per_rank, pp_rank
+    if layout.schedule == "interleaved-zb":
+        warm_up = min(m * v, (v - 1) * (m // max(1, m // p)) + p - 1 - r)
+        held_back = min(r, m * v - warm_up - 1) if m * v > warm_up else 0
+        return (warm_up + held_back + 1 if m * v > warm_up else warm_up), held_back + 1
+    cap = 2 * (m - p) + 1
+    warm_up, cool_down = (min(m + r + 1, 2 * p), 1), (min(p + r, cap), min(2 * r + 1, cap))
+    return max(warm_up, cool_down, key=lambda passes: passes[0] * stage_pass + passes[1] * kept_for_weights)
+
+
+def kept_for_weight_gradients(config, shapes, layout, compute_bytes):
+    """Bytes per token of one layer's pass that torch's split backward keeps from its input half to its weight
+    half: the gradient of each weighted op's output (q, k, v, o, the MLP's gate, up and down, once per expert
+    a token goes to, the two norms; Qwen3's per-head norms), as measured (chapter 12's README)."""
+    config = text_config(config)
+    h, k = config.hidden_size, experts_per_token(config) if num_experts(config) else 1
+    q_dim = config.num_attention_heads * head_dim(config)
+    kv_dim = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim(config)
+    per_head_norms = q_dim + kv_dim if any(".q_norm." in name for name, _ in shapes) else 0
+    outputs = q_dim + 2 * kv_dim + per_head_norms + 3 * h + 2 * mlp_width(config) + k * h
+    return compute_bytes * outputs / layout.tp
 
 
 def bubble(layout, microbatches):
     """The share of a step a pipeline rank idles: (p-1)/(m+p-1) for GPipe and 1F1B, ramps v times shorter
     interleaved (chapter 08); with the split backward, a third of that (our assumption; chapter 08 measures
-    12% against 16-18% at p 2, m 4), and none in the V schedules' ideal."""
+    12% against 16-18% at p 2, m 4); ZBV's, in thirds of a pass (forward, input and weight halves alike), its 6m
+    busy and max(p - 1, 2(2p - 1 - m)) idle, from torch's order of the halves and their dependencies (fewer
+    than 2p - 1 micro-batches leave holes in it); DualPipeV none, its ideal."""
     p, m, v = layout.pp, microbatches, layout.stages_per_rank
     if p == 1:
         return 0.0
+    zbv_idle = max(p - 1, 2 * (2 * p - 1 - m))
     return {"gpipe": (p - 1) / (m + p - 1), "1f1b": (p - 1) / (m + p - 1),
             "interleaved-1f1b": (p - 1) / (v * m + p - 1), "interleaved-zb": (p - 1) / (3 * (v * m + p - 1)),
-            "zbv": 0.0, "dualpipev": 0.0}[layout.schedule]
+            "zbv": zbv_idle / (6 * m + zbv_idle), "dualpipev": 0.0}[layout.schedule]
 
 
 def memory_per_rank(layout, config, shapes, args, rank):
@@ -656,7 +691,15 @@ def memory_per_rank(layout, config, shapes, args, rank):
         stage_pass = (per_layer * text.num_hidden_layers / (layout.pp * layout.stages_per_rank)
                       + sending * 4 * text.hidden_size / layout.tp)
         microbatches = schedule_microbatches(layout, args)
-        in_flight = passes_in_flight(layout, pp_rank, microbatches)
+        if layout.schedule in SPLIT_BACKWARD:
+            # the split backward keeps each pass's graph and its weighted ops' output gradients until its weight
+            # half runs
+            kept = (kept_for_weight_gradients(config, shapes, layout, cd) * text.num_hidden_layers
+                    / (layout.pp * layout.stages_per_rank))
+            in_flight, waiting = split_backward_passes(layout, microbatches, pp_rank, stage_pass, kept)
+            memory["split_backward"] = tokens * kept * waiting
+        else:
+            in_flight = passes_in_flight(layout, pp_rank, microbatches)
         layer_bytes = stage_pass * in_flight
         head_passes = microbatches if layout.schedule == "gpipe" else 1  # GPipe runs every forward first
     elif layout.activation_checkpointing:
@@ -679,10 +722,20 @@ def memory_per_rank(layout, config, shapes, args, rank):
         else:
             memory.pop("gathered_gradients", None)  # chapter 09's: made after the peak, the first backward
         # torch's stages keep a receive buffer a micro-batch, for the input (all but the first stage) and the
-        # output's gradient (all but the last): fp32 hidden states, split by sequence parallelism
+        # output's gradient (all but the last) from another rank: fp32 hidden states, split by sequence
+        # parallelism. (The stages at the bottom of a V pass them on their rank.)
         boundaries = sum((stage > 0) + (stage < last_stage) for stage in stages)
-        memory["pipeline_buffers"] = boundaries * microbatches * tokens * 4 * text.hidden_size / layout.tp
-        if not holds_head:
+        received = boundaries - 2 * sum(stage + 1 in stages for stage in stages)
+        hidden_states = tokens * 4 * text.hidden_size / layout.tp
+        memory["pipeline_buffers"] = received * microbatches * hidden_states
+        if layout.schedule in SPLIT_BACKWARD:
+            # these schedules wait for their sends at the end of the step: the passes finished by the peak keep
+            # the output and the input's gradient they passed on
+            finished = microbatches * layout.stages_per_rank - in_flight
+            memory["sends_awaited"] = finished * boundaries / len(stages) * hidden_states
+            # an input half peaks at its end, in the first norm's backward (fp32 temporaries of 3 hidden states)
+            memory["backward_working"] = tokens * 3 * 4 * text.hidden_size / layout.tp
+        elif not holds_head:
             # where no logits' gradient comes first, a layer's backward sets the peak: the gradients of the MLP's
             # gate and up outputs are alive at once
             memory["backward_working"] = tokens * 2 * cd * mlp_width(text) / layout.tp

@@ -241,7 +241,7 @@ def test_a_rank_holds_at_the_peak_of_a_step_what_the_plan_counts_within_five_per
     tensor-bytes: every storage torch's ops make, until freed) against the plan's peak: the state, the
     gathered weights and gradients and the activations, without the gradients that zero_grad freed (with
     checkpointing, at the last layer's backward with the others' gradients; in a pipeline, the micro-batches in
-    flight at a backward, the stages' receive buffers and kept outputs; the zero-bubble V schedule's split
+    flight at a backward, the stages' receive buffers and kept outputs; the zero-bubble schedules' split
     backward, which keeps a pass's weighted ops' output gradients from its input half to its weight half)."""
     reports, planned_layout = probed(case)
     peaks = [report["tensor_bytes"]["peak"] for report in reports]

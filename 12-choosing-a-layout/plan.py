@@ -579,8 +579,9 @@ def activation_bytes_per_token(config, shapes, layout, compute_bytes):
     """(bytes per token that one layer saves for backward on a rank, that the head and the loss save, and the
     logits' gradient at the start of backward). Counted from what Hugging Face's Llama saves with sdpa
     attention (RMSNorm in fp32), with Qwen3's and Gemma 3's norms of each head's queries and keys where the
-    model has them (not Gemma's norms around the MLP), a MoE layer's MLP once per expert a token goes to;
-    tensor parallelism splits what its plan splits (sequence-parallel norms included) but for the gathered
+    model has them (not Gemma's norms around the MLP), a MoE layer's MLP once per expert a token goes to, with
+    the token's copy that each expert's first matmul keeps and the expert's output that its routing weight
+    multiplies (whole hidden states); tensor parallelism splits what its plan splits (sequence-parallel norms included) but for the gathered
     inputs of the column-parallel matmuls."""
     config = text_config(config)
     b, tp, h = compute_bytes, layout.tp, config.hidden_size
@@ -593,6 +594,8 @@ def activation_bytes_per_token(config, shapes, layout, compute_bytes):
     # the whole sequence's keys and values for its backward
     attention = (b * (2 * q_dim + 2 * kv_dim * layout.cp) + 4 * config.num_attention_heads) / tp
     mlp = 4 * b * inter / tp + 4 * experts  # gate, silu(gate), up, their product; the router's logits
+    if experts:
+        mlp += 2 * b * h * experts_per_token(config)
     per_layer = norms + attention + mlp + 8
     # the final norm, the logits the loss keeps (log-softmax in fp32) and the logits, the token ids and labels;
     # at the start of backward the gradient of the logits (fp32, then --dtype)
@@ -674,6 +677,11 @@ def memory_per_rank(layout, config, shapes, args, rank):
     # What FSDP gathers (the tensor-parallel slice, the ep rank's experts): a layer's weights, and the head's
     layer = sum(unsharded_numel(name, shape, layout) for name, shape in shapes
                 if layer_of(name) is not None) / text.num_hidden_layers
+    group = layer  # the largest FSDP group in a layer: chapter 11 makes each layer's experts a group of their own
+    if layout.chapter == "11":
+        experts = sum(unsharded_numel(name, shape, layout) for name, shape in shapes
+                      if is_expert(name) and layer_of(name) is not None) / text.num_hidden_layers
+        group = max(experts, layer - experts)
     head = max(unsharded_numel(name, shape, layout) for name, shape in shapes
                if name.endswith(("embed_tokens.weight", "lm_head.weight")))
     pp_rank = rank // (layout.world // layout.pp)
@@ -685,12 +693,16 @@ def memory_per_rank(layout, config, shapes, args, rank):
         # (FSDP's unsharded copies: at dp 1 too)
         stage = layer * text.num_hidden_layers / layout.pp + (head if holds_head or 0 in stages else 0)
         memory.update(gathered_weights=cd * stage, gathered_gradients=4 * stage)
+        if layout.stages_per_rank > 1:
+            # interleaved, the peak falls in a forward of the rank's later stage, which gathers it again: FSDP's
+            # all-gather output of a layer, alive beside the unsharded copies (measured)
+            memory["all_gather_output"] = cd * layer
     elif layout.chapter in ("04", "05", "10", "11") or (layout.chapter == "07" and layout.dp > 1):
-        # the layer computing and the next one arriving, or the head, which stays gathered from its forward to
-        # its backward; in backward a layer's (or the head's) whole gradients in --dtype, and reduced in fp32.
+        # the layer computing and the next group arriving, or the head, which stays gathered from its forward to
+        # its backward; in backward a group's (or the head's) whole gradients in --dtype, and reduced in fp32.
         # (Explicit prefetch's third layer is gathered only while the forward runs, below the peak: measured.)
-        memory.update(gathered_weights=cd * max(2 * layer, 2 * head),
-                      gathered_gradients=(cd + (4 if cd != 4 else 0)) * max(layer, head))
+        memory.update(gathered_weights=cd * max(layer + group, 2 * head),
+                      gathered_gradients=(cd + (4 if cd != 4 else 0)) * max(group, head))
     elif cd != 4:
         memory["autocast_copies"] = cd * elements  # autocast's --dtype copy of each fp32 matmul weight
     per_layer, head_saves, logits_gradient = activation_bytes_per_token(config, shapes, layout, cd)

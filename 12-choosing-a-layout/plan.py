@@ -18,6 +18,7 @@ the reason the chapter's own checks give. Needs torch and transformers; --dry-ru
 chapters' scripts.
 """
 import argparse
+import collections
 import contextlib
 import copy
 import functools
@@ -194,6 +195,11 @@ def layer_of(name):
 
 def is_expert(name):
     return ".experts." in name
+
+
+def moe_layers(shapes):
+    """The layers that hold routed experts (a MoE model's first layers may be dense)."""
+    return {layer_of(name) for name, _ in shapes if is_expert(name)} - {None}
 
 
 def is_tied(config):
@@ -576,31 +582,50 @@ def state_bytes(elements, tensors):
 
 
 def activation_bytes_per_token(config, shapes, layout, compute_bytes):
-    """(bytes per token that one layer saves for backward on a rank, that the head and the loss save, and the
-    logits' gradient at the start of backward). Counted from what Hugging Face's Llama saves with sdpa
-    attention (RMSNorm in fp32), with Qwen3's and Gemma 3's norms of each head's queries and keys where the
-    model has them (not Gemma's norms around the MLP), a MoE layer's MLP once per expert a token goes to, with
-    the token's copy that each expert's first matmul keeps and the expert's output that its routing weight
-    multiplies (whole hidden states); tensor parallelism splits what its plan splits (sequence-parallel norms included) but for the gathered
-    inputs of the column-parallel matmuls."""
+    """(bytes per token that a layer saves for backward on a rank, on average over the layers, that the head and
+    the loss save, and the logits' gradient at the start of backward). Counted from what Hugging Face's Llama
+    saves with sdpa attention (RMSNorm in fp32), with Qwen3's and Gemma 3's norms of each head's queries and keys
+    where the model has them (not Gemma's norms around the MLP), and each layer's MLPs as mlp_bytes_per_token
+    counts them; tensor parallelism splits what its plan splits (sequence-parallel norms included) but for the
+    gathered inputs of the column-parallel matmuls."""
     config = text_config(config)
     b, tp, h = compute_bytes, layout.tp, config.hidden_size
     q_dim, kv_dim = attention_widths(config)
-    inter, experts = mlp_width(config), num_experts(config)
     norms = 2 * (4 + b) * h / tp + 2 * b * h
     if has_per_head_norms(shapes):
         norms += (4 + b) * (q_dim + kv_dim) / tp
     # q, the attention's output, k and v, and sdpa's log-sum-exp; with context parallelism every rank keeps
     # the whole sequence's keys and values for its backward
     attention = (b * (2 * q_dim + 2 * kv_dim * layout.cp) + 4 * config.num_attention_heads) / tp
-    mlp = 4 * b * inter / tp + 4 * experts  # gate, silu(gate), up, their product; the router's logits
-    if experts:
-        mlp += 2 * b * h * experts_per_token(config)
-    per_layer = norms + attention + mlp + 8
+    per_layer = norms + attention + mlp_bytes_per_token(config, shapes, layout, b) + 8
     # the final norm, the logits the loss keeps (log-softmax in fp32) and the logits, the token ids and labels;
     # at the start of backward the gradient of the logits (fp32, then --dtype)
     head = (4 + 2 * b) * h + (4 + b) * config.vocab_size / tp + 16
     return per_layer, head, (4 + b) * config.vocab_size / tp
+
+
+def mlp_bytes_per_token(config, shapes, layout, b):
+    """What a layer's MLPs save a token, on average over the layers: a dense MLP (a layer's own, or a MoE
+    layer's shared experts, read from its weights' shapes) its gate, silu(gate), up and their product; a MoE
+    layer's routed experts that, once per expert a token goes to, with the copy of the token each expert's
+    first matmul keeps and the output its routing weight multiplies, and the router's logits; a shared expert's
+    gate, the output it scales."""
+    h, k, experts = config.hidden_size, experts_per_token(config), num_experts(config)
+    per_layer = collections.Counter()
+    for name, shape in shapes:
+        layer = layer_of(name)
+        if layer is None or is_expert(name):
+            continue
+        if name.endswith(("up_proj.weight", "gate_up_proj.weight")):  # [width, hidden]; gate_up: both
+            width = shape[0] // (2 if name.endswith("gate_up_proj.weight") else 1)
+            per_layer[layer] += 4 * b * width / layout.tp
+        elif name.endswith("shared_expert_gate.weight"):
+            per_layer[layer] += b * h
+    for layer in moe_layers(shapes):
+        per_layer[layer] += 4 * b * mlp_width(config) / layout.tp + 2 * b * h * k + 4 * experts
+    if not per_layer:  # no MLP weights named as Llama's: a dense MLP as wide as the config says
+        return 4 * b * mlp_width(config) / layout.tp
+    return sum(per_layer.values()) / config.num_hidden_layers
 
 
 def mlp_width(config):
@@ -870,7 +895,7 @@ def collectives_per_step(layout, config, shapes, args):
         routed = tokens * experts_per_token(config) * text.hidden_size * cd
         # each MoE layer sends its tokens' rows to their experts and back, forward and backward
         add("all_to_all (EP tokens)", group_link(1, layout.ep, per_node),
-            micro_steps * text.num_hidden_layers * 4 * routed * (layout.ep - 1) / layout.ep)
+            micro_steps * len(moe_layers(shapes)) * 4 * routed * (layout.ep - 1) / layout.ep)
     return comm
 
 

@@ -167,8 +167,9 @@ PROBED = {
     "10-cp2": ("10", 2, "llama", ["--cp", 2], ["--cp", 2, "--global-batch-size", 2]),
     "10-dp2-cp2": ("10", 4, "llama", ["--cp", 2], ["--cp", 2, "--global-batch-size", 4]),
     # experts routed as by a perfectly balanced router (tests/inject.py's INJECT_ROUTING); see the README for
-    # what the tiny Mixtral's own router sends and holds beyond it
-    "11-ep2": ("11", 2, "moe", ["--ep", 2], ["--ep", 2]),
+    # what the tiny Mixtral's own router sends and holds beyond it. At ep 2 a Qwen2-MoE: a dense first layer,
+    # a shared expert beside the routed ones
+    "11-ep2-shared-expert": ("11", 2, "moe-shared", ["--ep", 2], ["--ep", 2]),
     "11-dp2-ep2": ("11", 4, "moe", ["--ep", 2], ["--ep", 2]),
 }
 
@@ -176,8 +177,9 @@ PROBED = {
 @pytest.fixture(scope="module")
 def big_models(tmp_path_factory):
     """Hidden 512, 4 layers (a Llama of 39 MB in fp32, a tied Qwen3 with its per-head norms, a Mixtral of 4
-    experts of 64 MB): at -s 256 a step's activations outweigh the state, as in training; four layers give a
-    2-rank V schedule a layer a stage."""
+    experts of 64 MB, a Qwen2-MoE whose first layer is dense and whose others add a shared expert): at -s 256 a
+    step's activations outweigh the state, as in training; four layers give a 2-rank V schedule a layer a
+    stage."""
     folder, sizes = tmp_path_factory.mktemp("planner-big"), dict(
         hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
         max_position_embeddings=512)
@@ -185,7 +187,10 @@ def big_models(tmp_path_factory):
             "tied": write_tiny_model(folder / "tied", architecture="qwen3", intermediate_size=1024,
                                      tie_word_embeddings=True, **sizes),
             "moe": write_tiny_model(folder / "moe", architecture="mixtral", intermediate_size=512,
-                                    num_local_experts=4, num_experts_per_tok=2, **sizes)}
+                                    num_local_experts=4, num_experts_per_tok=2, **sizes),
+            "moe-shared": write_tiny_model(folder / "moe-shared", architecture="qwen2_moe", intermediate_size=1024,
+                                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=512,
+                                           shared_expert_intermediate_size=1024, mlp_only_layers=[0], **sizes)}
 
 
 @pytest.fixture(scope="module")

@@ -197,9 +197,11 @@ def is_expert(name):
     return ".experts." in name
 
 
-def moe_layers(shapes):
-    """The layers that hold routed experts (a MoE model's first layers may be dense)."""
-    return {layer_of(name) for name, _ in shapes if is_expert(name)} - {None}
+def moe_layers(config, shapes):
+    """The layers that hold routed experts (a MoE model's first layers may be dense): every layer of a MoE
+    whose experts are not named as transformers' `experts`."""
+    named = {layer_of(name) for name, _ in shapes if is_expert(name)} - {None}
+    return named or set(range(text_config(config).num_hidden_layers) if num_experts(config) else ())
 
 
 def is_tied(config):
@@ -233,6 +235,12 @@ def attention_widths(config):
     config = text_config(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     return config.num_attention_heads * head_dim(config), kv_heads * head_dim(config)
+
+
+def norms_per_layer(shapes):
+    """The norms of the hidden states in a layer: two in Llama, four in Gemma (not the attention's own)."""
+    return sum(layer_of(name) == 0 and name.endswith("layernorm.weight") and ".self_attn." not in name
+               for name, _ in shapes)
 
 
 def has_per_head_norms(shapes):
@@ -489,9 +497,9 @@ def tp_dim(name, layout):
 
 @functools.cache  # (a name's answer, asked millions of times in a search at 405B)
 def tensor_parallel_dim(name):
-    if re.search(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$", name):
+    if re.search(r"\.layers\.\d+\.(self_attn\.[qkv]_proj|mlp\.(gate|up)_proj)\.(weight|bias)$", name):
         return 0
-    if re.search(r"\.(o_proj|down_proj)\.weight$", name):
+    if re.search(r"\.layers\.\d+\.(self_attn\.o_proj|mlp\.down_proj)\.weight$", name):
         return 1
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         return 0
@@ -584,14 +592,16 @@ def state_bytes(elements, tensors):
 def activation_bytes_per_token(config, shapes, layout, compute_bytes):
     """(bytes per token that a layer saves for backward on a rank, on average over the layers, that the head and
     the loss save, and the logits' gradient at the start of backward). Counted from what Hugging Face's Llama
-    saves with sdpa attention (RMSNorm in fp32), with Qwen3's and Gemma 3's norms of each head's queries and keys
-    where the model has them (not Gemma's norms around the MLP), and each layer's MLPs as mlp_bytes_per_token
+    saves with sdpa attention (RMSNorm in fp32), with Gemma's norms of the attention's and the MLP's outputs and
+    Qwen3's and Gemma 3's norms of each head's queries and keys where the model has them, and each layer's MLPs as mlp_bytes_per_token
     counts them; tensor parallelism splits what its plan splits (sequence-parallel norms included) but for the
     gathered inputs of the column-parallel matmuls."""
     config = text_config(config)
     b, tp, h = compute_bytes, layout.tp, config.hidden_size
     q_dim, kv_dim = attention_widths(config)
-    norms = 2 * (4 + b) * h / tp + 2 * b * h
+    # a layer's two norms keep their input, their fp32 output and the --dtype output the next matmul takes;
+    # Gemma's norms of the attention's and the MLP's outputs feed the residual's sum: their fp32 input and output
+    norms = 2 * (4 + b) * h / tp + 2 * b * h + max(0, norms_per_layer(shapes) - 2) * 8 * h / tp
     if has_per_head_norms(shapes):
         norms += (4 + b) * (q_dim + kv_dim) / tp
     # q, the attention's output, k and v, and sdpa's log-sum-exp; with context parallelism every rank keeps
@@ -604,28 +614,33 @@ def activation_bytes_per_token(config, shapes, layout, compute_bytes):
     return per_layer, head, (4 + b) * config.vocab_size / tp
 
 
-def mlp_bytes_per_token(config, shapes, layout, b):
+def mlp_bytes_per_token(config, shapes, layout, compute_bytes):
     """What a layer's MLPs save a token, on average over the layers: a dense MLP (a layer's own, or a MoE
-    layer's shared experts, read from its weights' shapes) its gate, silu(gate), up and their product; a MoE
-    layer's routed experts that, once per expert a token goes to, with the copy of the token each expert's
-    first matmul keeps and the output its routing weight multiplies, and the router's logits; a shared expert's
-    gate, the output it scales."""
-    h, k, experts = config.hidden_size, experts_per_token(config), num_experts(config)
-    per_layer = collections.Counter()
+    layer's shared experts, read from its weights' shapes) its gate, silu(gate), up and their product; the
+    same for each routed expert a token goes to, plus the copy of the token each expert's first matmul keeps,
+    the output its routing weight multiplies and the router's logits; a shared expert's gate, the output it
+    scales. Tensor parallelism splits what chapter 06's plan splits: a layer's own MLP."""
+    b, h, num_layers = compute_bytes, config.hidden_size, config.num_hidden_layers
+    moe = moe_layers(config, shapes)
+    bytes_of_layer = collections.Counter()
     for name, shape in shapes:
         layer = layer_of(name)
         if layer is None or is_expert(name):
             continue
-        if name.endswith(("up_proj.weight", "gate_up_proj.weight")):  # [width, hidden]; gate_up: both
-            width = shape[0] // (2 if name.endswith("gate_up_proj.weight") else 1)
-            per_layer[layer] += 4 * b * width / layout.tp
+        split = layout.tp if tp_dim(name, layout) is not None else 1
+        if name.endswith("gate_up_proj.weight"):  # [2 x width, hidden]: a fused gate and up
+            bytes_of_layer[layer] += 4 * b * shape[0] / 2 / split
+        elif name.endswith("up_proj.weight"):  # [width, hidden]
+            bytes_of_layer[layer] += 4 * b * shape[0] / split
         elif name.endswith("shared_expert_gate.weight"):
-            per_layer[layer] += b * h
-    for layer in moe_layers(shapes):
-        per_layer[layer] += 4 * b * mlp_width(config) / layout.tp + 2 * b * h * k + 4 * experts
-    if not per_layer:  # no MLP weights named as Llama's: a dense MLP as wide as the config says
-        return 4 * b * mlp_width(config) / layout.tp
-    return sum(per_layer.values()) / config.num_hidden_layers
+            bytes_of_layer[layer] += b * h
+    for layer in range(num_layers):
+        if layer in moe:
+            bytes_of_layer[layer] += 4 * b * mlp_width(config) + 2 * b * h * experts_per_token(config)
+            bytes_of_layer[layer] += 4 * num_experts(config)
+        elif not bytes_of_layer[layer]:  # MLP weights not named as Llama's: as wide as the config says
+            bytes_of_layer[layer] = 4 * b * (getattr(config, "intermediate_size", None) or 4 * h) / layout.tp
+    return sum(bytes_of_layer.values()) / num_layers
 
 
 def mlp_width(config):
@@ -699,14 +714,18 @@ def memory_per_rank(layout, config, shapes, args, rank):
     text, cd = text_config(config), compute_bytes(args)
     elements, tensors = rank_weights(layout, config, shapes, rank)
     memory = state_bytes(elements, tensors)
-    # What FSDP gathers (the tensor-parallel slice, the ep rank's experts): a layer's weights, and the head's
-    layer = sum(unsharded_numel(name, shape, layout) for name, shape in shapes
-                if layer_of(name) is not None) / text.num_hidden_layers
-    group = layer  # the largest FSDP group in a layer: chapter 11 makes each layer's experts a group of their own
+    # What FSDP gathers (the tensor-parallel slice, the ep rank's experts): the largest layer (a MoE model's
+    # dense layers are smaller), the largest group (chapter 11 makes a layer's experts a group of their own),
+    # and the head
+    elements_of = collections.Counter()  # (layer, experts or not): elements
+    for name, shape in shapes:
+        if layer_of(name) is not None:
+            elements_of[layer_of(name), is_expert(name)] += unsharded_numel(name, shape, layout)
+    layers = range(text.num_hidden_layers)
+    layer = max(elements_of[index, False] + elements_of[index, True] for index in layers)
+    group = layer
     if layout.chapter == "11":
-        experts = sum(unsharded_numel(name, shape, layout) for name, shape in shapes
-                      if is_expert(name) and layer_of(name) is not None) / text.num_hidden_layers
-        group = max(experts, layer - experts)
+        group = max(max(elements_of[index, False], elements_of[index, True]) for index in layers)
     head = max(unsharded_numel(name, shape, layout) for name, shape in shapes
                if name.endswith(("embed_tokens.weight", "lm_head.weight")))
     pp_rank = rank // (layout.world // layout.pp)
@@ -716,7 +735,7 @@ def memory_per_rank(layout, config, shapes, args, rank):
     if layout.chapter == "09":
         # torch's pipelining keeps a stage's weights gathered and its fp32 gradients whole until the step's end
         # (FSDP's unsharded copies: at dp 1 too)
-        stage = layer * text.num_hidden_layers / layout.pp + (head if holds_head or 0 in stages else 0)
+        stage = sum(stage_elements(layout, config, shapes, stages))
         memory.update(gathered_weights=cd * stage, gathered_gradients=4 * stage)
         if layout.stages_per_rank > 1:
             # interleaved, the peak falls in a forward of the rank's later stage, which gathers it again: FSDP's
@@ -895,7 +914,7 @@ def collectives_per_step(layout, config, shapes, args):
         routed = tokens * experts_per_token(config) * text.hidden_size * cd
         # each MoE layer sends its tokens' rows to their experts and back, forward and backward
         add("all_to_all (EP tokens)", group_link(1, layout.ep, per_node),
-            micro_steps * len(moe_layers(shapes)) * 4 * routed * (layout.ep - 1) / layout.ep)
+            micro_steps * len(moe_layers(config, shapes)) * 4 * routed * (layout.ep - 1) / layout.ep)
     return comm
 
 

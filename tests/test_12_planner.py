@@ -145,7 +145,7 @@ PIPELINE_DP2 = ["-b", 2, "--global-batch-size", 16, "--num-microbatches", 4]
 PROBED = {
     "02-ddp": ("02", 2, "llama", [], ["--chapter", "02"]),
     "04-fsdp": ("04", 2, "llama", [], ["--chapter", "04"]),
-    "04-tied": ("04", 2, "tied", [], ["--chapter", "04"]),
+    "04-tied-gemma3": ("04", 2, "gemma3", [], ["--chapter", "04"]),
     "04-hsdp": ("04", 4, "llama", ["--replicate-degree", 2], ["--chapter", "04", "--replicate-degree", 2]),
     "05-activation-checkpointing": ("05", 2, "llama", ["--activation-checkpointing"],
                                     ["--activation-checkpointing"]),
@@ -177,9 +177,9 @@ PROBED = {
 @pytest.fixture(scope="module")
 def big_models(tmp_path_factory):
     """Hidden 512, 4 layers (a Llama of 39 MB in fp32, a tied Qwen3 with its per-head norms, a Mixtral of 4
-    experts of 64 MB, a Qwen2-MoE whose first layer is dense and whose others add a shared expert): at -s 256 a
-    step's activations outweigh the state, as in training; four layers give a 2-rank V schedule a layer a
-    stage."""
+    experts of 64 MB, a Qwen2-MoE whose first layer is dense and whose others add a shared expert, a tied Gemma 3
+    with four norms a layer): at -s 256 a step's activations outweigh the state, as in training; four layers give
+    a 2-rank V schedule a layer a stage."""
     folder, sizes = tmp_path_factory.mktemp("planner-big"), dict(
         hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
         max_position_embeddings=512)
@@ -190,7 +190,8 @@ def big_models(tmp_path_factory):
                                     num_local_experts=4, num_experts_per_tok=2, **sizes),
             "moe-shared": write_tiny_model(folder / "moe-shared", architecture="qwen2_moe", intermediate_size=1024,
                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=512,
-                                           shared_expert_intermediate_size=1024, mlp_only_layers=[0], **sizes)}
+                                           shared_expert_intermediate_size=1024, mlp_only_layers=[0], **sizes),
+            "gemma3": write_tiny_model(folder / "gemma3", architecture="gemma3", intermediate_size=1024, **sizes)}
 
 
 @pytest.fixture(scope="module")

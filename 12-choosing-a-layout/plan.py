@@ -593,9 +593,9 @@ def activation_bytes_per_token(config, shapes, layout, compute_bytes):
     """(bytes per token that a layer saves for backward on a rank, on average over the layers, that the head and
     the loss save, and the logits' gradient at the start of backward). Counted from what Hugging Face's Llama
     saves with sdpa attention (RMSNorm in fp32), with Gemma's norms of the attention's and the MLP's outputs and
-    Qwen3's and Gemma 3's norms of each head's queries and keys where the model has them, and each layer's MLPs as mlp_bytes_per_token
-    counts them; tensor parallelism splits what its plan splits (sequence-parallel norms included) but for the
-    gathered inputs of the column-parallel matmuls."""
+    Qwen3's and Gemma 3's norms of each head's queries and keys where the model has them, and each layer's MLPs
+    as mlp_bytes_per_token counts them; tensor parallelism splits what its plan splits (sequence-parallel norms
+    included) but for the gathered inputs of the column-parallel matmuls."""
     config = text_config(config)
     b, tp, h = compute_bytes, layout.tp, config.hidden_size
     q_dim, kv_dim = attention_widths(config)
@@ -664,7 +664,8 @@ def passes_in_flight(layout, pp_rank, microbatches):
 
 def split_backward_passes(layout, microbatches, pp_rank, stage_pass, kept_for_weights):
     """(passes in flight, passes whose input halves of the backward have run but not their weight halves) at the
-    peak of pipeline rank r under torch's order of the halves (checked against it once, for p <= 8, v <= 4, m <= 5p):
+    peak of pipeline rank r under torch's order of the halves (checked against it once, for p <= 8, v <= 4,
+    m <= 5p):
     - interleaved zero bubble: a warm-up of w = (v-1)q + p-1-r forwards (q micro-batches a round), then rank r
       holds back its weight halves r steps: w + r + 1 passes, r + 1 of them split;
     - ZBV: its warm-up's up to 2p passes, one split, or its cool-down's, where rank r runs 2r + 1 input halves

@@ -224,9 +224,9 @@ def test_a_rank_sends_in_a_step_what_the_plan_counts_within_one_percent(case, pr
     FSDP's gathers and reduce-scatters (HSDP's all-reduce across copies), tensor parallelism's DTensor
     redistributions (loss_parallel's too), the pipeline's sends, a tied matrix's gradient, the experts' token
     exchange (all-to-all, routed as a perfectly balanced router would route); each kind within 1% of the step's
-    bytes, so that no kind's error hides behind another's. What the plan leaves out (the logged loss, norm weights' gradients
-    under TP) stays under that. Sizes and counts are compared; the wire's bytes are the ring model's, on both
-    sides."""
+    bytes, so that no kind's error hides behind another's. What the plan leaves out (the logged loss, norm
+    weights' gradients under TP) stays under that. Sizes and counts are compared; the wire's bytes are the ring
+    model's, on both sides."""
     reports, planned_layout = probed(case)
     sent_by_rank = []
     for report in reports:

@@ -7,6 +7,7 @@ timeout, a free port (torchrun's --standalone picks one), a temp dir, and offlin
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import random
@@ -124,17 +125,35 @@ class Launch:
 
 
 def pytest_configure(config):
-    """One record of the session's successful launches (below), shared by pytest-xdist's workers: they start
-    after this runs in the controller and inherit its environment."""
+    """One record of the session's successful launches (below) and one folder of what is built once
+    (built_once), shared by pytest-xdist's workers: they start after this runs in the controller and inherit
+    its environment."""
     if not hasattr(config, "workerinput"):
         handle, path = tempfile.mkstemp(prefix="launches-", suffix=".jsonl")
         os.close(handle)
         os.environ["TESTS_LAUNCH_RECORD"] = config.launch_record = path
+        os.environ["TESTS_BUILT_ONCE"] = config.built_once = tempfile.mkdtemp(prefix="built-once-")
 
 
 def pytest_unconfigure(config):
     if hasattr(config, "launch_record"):
         os.remove(config.launch_record)
+        shutil.rmtree(config.built_once, ignore_errors=True)
+
+
+def built_once(name, build):
+    """A folder that build(folder) fills once per test session, for every pytest-xdist worker: the first
+    worker to ask builds it under a lock while any other that asks waits, then all read it (tiny models,
+    reference launches: a launch costs 5-15 s)."""
+    folder = Path(os.environ["TESTS_BUILT_ONCE"]) / name
+    with open(folder.with_name(name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not folder.with_name(name + ".done").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a failed build left
+            folder.mkdir()
+            build(folder)
+            folder.with_name(name + ".done").touch()
+    return folder
 
 
 def record_launch(script, nproc, args):
@@ -321,9 +340,16 @@ def write_tiny_dataset(path, num_files=2, documents_per_file=300, seed=0):
     return path
 
 
+def tiny_model_built_once(**settings):
+    """write_tiny_model's model with these settings, built once for every worker (built_once): one path in
+    every test that trains it, so that their launches of a chapter with the same flags are one launch."""
+    name = f"model-{hashlib.sha1(repr(sorted(settings.items())).encode()).hexdigest()[:12]}"
+    return built_once(name, lambda folder: write_tiny_model(folder, **settings))
+
+
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+def tiny_model():
+    return tiny_model_built_once()
 
 
 # The tiny MoEs' depth and key/value heads (their experts vary by test).
@@ -334,10 +360,10 @@ MOE_ONLY_CHAPTERS = {"11"}
 
 
 @pytest.fixture(scope="session")
-def tiny_moe(tmp_path_factory):
+def tiny_moe():
     """A tiny Mixtral (2 layers, 4 experts, each token taking 2, 2 key/value heads)."""
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-mixtral"), architecture="mixtral", num_local_experts=4,
-                            num_experts_per_tok=2, **MOE_SIZES)
+    return tiny_model_built_once(architecture="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                                 **MOE_SIZES)
 
 
 @pytest.fixture(scope="session")
@@ -354,20 +380,19 @@ def with_model(args, model):
 
 
 @pytest.fixture(scope="session")
-def four_layer_models(tmp_path_factory):
+def four_layer_models():
     """Tiny models deep enough for 4 pipeline stages: a Llama, a Qwen3 whose embedding is its output head, and a
     Granite, which scales its embeddings and logits outside the layers."""
     return {
-        "llama": write_tiny_model(tmp_path_factory.mktemp("llama-4-layers"), num_hidden_layers=4),
-        "qwen3-tied": write_tiny_model(tmp_path_factory.mktemp("qwen3-4-layers-tied"), architecture="qwen3",
-                                       num_hidden_layers=4, tie_word_embeddings=True),
-        "granite": write_tiny_model(tmp_path_factory.mktemp("granite-4-layers"), architecture="granite",
-                                    num_hidden_layers=4),
+        "llama": tiny_model_built_once(num_hidden_layers=4),
+        "qwen3-tied": tiny_model_built_once(architecture="qwen3", num_hidden_layers=4,
+                                            tie_word_embeddings=True),
+        "granite": tiny_model_built_once(architecture="granite", num_hidden_layers=4),
     }
 
 
 @pytest.fixture(scope="session")
-def prompted_dataset(tmp_path_factory):
+def prompted_dataset():
     """A .jsonl of prompt/text pairs whose prompts (never labels) have very different lengths: packed rows then
     hold very different numbers of label tokens."""
     words = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "sings", "fast", "slow", "here"]
@@ -376,14 +401,13 @@ def prompted_dataset(tmp_path_factory):
         prompt = " ".join(words[(index + i) % 12] for i in range(1 + 4 * (index % 3)))
         text = " ".join(words[(index * 7 + i) % 12] for i in range(3 + index % 5)) + "."
         lines.append(json.dumps({"prompt": prompt + " ->", "text": text}))
-    path = tmp_path_factory.mktemp("prompted") / "prompted.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    text = "\n".join(lines) + "\n"
+    return built_once("prompted", lambda folder: (folder / "prompted.jsonl").write_text(text)) / "prompted.jsonl"
 
 
 @pytest.fixture(scope="session")
-def tiny_dataset(tmp_path_factory):
-    return write_tiny_dataset(tmp_path_factory.mktemp("tiny-dataset"))
+def tiny_dataset():
+    return built_once("tiny-dataset", write_tiny_dataset)
 
 
 @pytest.fixture(scope="session")
@@ -394,17 +418,20 @@ def common_args(tiny_model, tiny_dataset):
 
 
 @pytest.fixture(scope="session")
-def launch_once(tmp_path_factory):
+def launch_once():
     """run_chapter, but each distinct launch (chapter, flags, processes, environment) runs once per test
-    session: the tests that need the same reference run share it, across modules too (a launch costs 5-15 s)."""
-    launches = {}
+    session (built_once): the tests that need the same reference run share it, across modules and workers."""
 
     def launch(chapter, args, nproc=None, env=None, **kwargs):
         key = repr((chapter, list(map(str, args)), nproc, sorted((env or {}).items()), sorted(kwargs.items())))
-        if key not in launches:
-            tmp_path = tmp_path_factory.mktemp(f"ch{chapter}-{nproc or 1}")
-            launches[key] = run_chapter(chapter, args, tmp_path, nproc=nproc, env=env, **kwargs)
-        return launches[key]
+
+        def build(folder):
+            run = run_chapter(chapter, args, folder, nproc=nproc, env=env, **kwargs)
+            (folder / "run.json").write_text(json.dumps(dataclasses.asdict(run), default=str))
+
+        folder = built_once(f"ch{chapter}-{nproc or 1}-{hashlib.sha1(key.encode()).hexdigest()[:12]}", build)
+        run = json.loads((folder / "run.json").read_text())
+        return Run(run["returncode"], run["stdout"], run["stderr"], Path(run["exp_dir"]))
 
     return launch
 

@@ -431,7 +431,7 @@ def launch_once():
 
         folder = built_once(f"ch{chapter}-{nproc or 1}-{hashlib.sha1(key.encode()).hexdigest()[:12]}", build)
         run = json.loads((folder / "run.json").read_text())
-        return Run(run["returncode"], run["stdout"], run["stderr"], Path(run["exp_dir"]))
+        return Run(**{**run, "exp_dir": Path(run["exp_dir"])})
 
     return launch
 

@@ -1,5 +1,8 @@
 """With masked prompts, every chapter's accumulated step is chapter 01's one batch: the loss of a step is the
-mean over the label tokens of the whole global batch, counted over all ranks and micro-batches.
+mean over the label tokens of the whole global batch, counted over all ranks and micro-batches. And every
+chapter's validation loss is chapter 01's: the same held-out rows, each counted once over the ranks
+(data-parallel slices, tensor-parallel shards, pipeline stages, sequence chunks, experts), averaged over all
+their label tokens.
 
 The data is conftest's prompted_dataset: prompt tokens get label -100, so micro-batches hold very different
 numbers of label tokens (tests/test_01_single_gpu.py counts them on this data), and the mean of each
@@ -10,7 +13,7 @@ experts.
 """
 import pytest
 
-from conftest import assert_same_training, with_model
+from conftest import LOSS_TOLERANCE, assert_same_training, with_model
 
 STEPS = 4
 # chapter: (processes, flags), each -b x --grad-accum-steps x data-parallel ranks = 8
@@ -27,12 +30,29 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture
+def runs(common_args, prompted_dataset, model_for, launch_once):
+    """runs(chapter): (the chapter's STEPS-step run on its layout, chapter 01's on the same flags), each launched
+    once for both tests below."""
+
+    def launch(chapter):
+        nproc, flags = LAYOUTS[chapter]
+        args = with_model([*common_args, "-d", prompted_dataset, "--max-steps", STEPS], model_for(chapter))
+        # On the Llama, chapter 01 with these flags is also test_01's masked-prompt run: launch_once runs it once.
+        return launch_once(chapter, [*args, *flags], nproc=nproc), launch_once("01", args)
+
+    return launch
+
+
 @pytest.mark.parametrize("chapter", LAYOUTS)
-def test_with_masked_prompts_accumulated_steps_on_several_ranks_equal_one_batch(
-    chapter, common_args, prompted_dataset, model_for, launch_once
-):
-    nproc, flags = LAYOUTS[chapter]
-    args = with_model([*common_args, "-d", prompted_dataset, "--max-steps", STEPS], model_for(chapter))
-    # On the Llama, chapter 01 with these flags is also test_01's masked-prompt run: launch_once runs it once.
-    reference = launch_once("01", args)
-    assert_same_training(launch_once(chapter, [*args, *flags], nproc=nproc), reference, STEPS)
+def test_with_masked_prompts_accumulated_steps_on_several_ranks_equal_one_batch(chapter, runs):
+    assert_same_training(*runs(chapter), STEPS)
+
+
+@pytest.mark.parametrize("chapter", LAYOUTS)
+def test_val_loss_equals_chapter_01s_after_the_same_steps(chapter, runs):
+    """The last step evaluates the held-out rows (their prompts masked too) on weights equal to chapter 01's to
+    rounding (the test above), so the two validation losses agree to the training losses' tolerance."""
+    ours, theirs = (run.metrics[-1] for run in runs(chapter))
+    assert ours["step"] == theirs["step"] == STEPS
+    assert abs(ours["val_loss"] - theirs["val_loss"]) < LOSS_TOLERANCE, (ours, theirs)

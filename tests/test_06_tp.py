@@ -70,12 +70,6 @@ def test_tp_matches_single_process_loss_and_weights(nproc, single_process, commo
     assert_same_training(launch_once("06", [*common_args, *PARITY], nproc=nproc), single_process, 10)
 
 
-def test_k_micro_batches_train_as_one_batch(single_process, common_args, launch_once):
-    """-b 2 x 4 micro-batches on 2 TP ranks (which all compute the same rows): chapter 01's batch of 8."""
-    accumulated = launch_once("06", [*common_args, *PARITY, "-b", 2, "--grad-accum-steps", 4], nproc=2)
-    assert_same_training(accumulated, single_process, 10)
-
-
 @pytest.mark.parametrize("architecture,overrides", [
     ("qwen3", {}), ("gemma2", {}), ("gemma3", {}), ("llama", {"tie_word_embeddings": True}),
 ], ids=["qwen3-per-head-norms", "gemma2-without-sdpa", "gemma3-norms-around-the-mlp", "llama-tied-embeddings"])

@@ -66,13 +66,6 @@ def test_2d_matches_single_process_at_the_global_batch(launch, model_path, layou
     assert_same_training(launch(model_path, layout), single_process, STEPS)
 
 
-def test_k_micro_batches_train_as_one_batch(launch, launch_once, common_args, tiny_model):
-    """(dp, tp) = (2, 2), -b 2 x 2 micro-batches per dp group: chapter 01's global batch of 8."""
-    flags, nproc = on(2, 2)
-    args = [*common_args, "-m", tiny_model, "--max-steps", STEPS, *flags, "-b", 2, "--grad-accum-steps", 2]
-    assert_same_training(launch_once("07", args, nproc=nproc), launch(tiny_model), STEPS)
-
-
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[f"dp{dp}-tp{tp}" for dp, tp in LAYOUTS])
 def test_each_rank_holds_its_share_of_weights_gradients_and_optimizer_state(launch, tiny_model, layout):
     dp, tp = layout

@@ -59,16 +59,6 @@ def test_3d_matches_single_process_at_the_global_batch(launch, model, pp, dp, tp
         assert "lm_head.weight" not in load_weights(ours.exp_dir / "hf")  # written once, as HF writes it
 
 
-def test_k_accumulation_steps_train_as_one_batch(launch, launch_once, common_args, four_layer_models):
-    """(pp, dp, tp) = (2, 2, 1), -b 2 x 2 per dp group, 2 x 2 micro-batches in the schedule: chapter 01's
-    global batch of 8."""
-    flags, nproc = on(2, 2, 1)
-    args = [*common_args, "-m", four_layer_models["llama"], "--max-steps", STEPS, *flags, "-b", 2,
-            "--grad-accum-steps", 2, "--num-microbatches", 2]
-    assert_same_training(launch_once("09", args, nproc=nproc), launch("llama"), STEPS)
-
-
-
 def test_the_schedule_keeps_no_micro_batch_outputs_after_a_step(common_args, four_layer_models, tmp_path):
     # As in chapter 08: by default the last stage would keep every micro-batch's logits after the step.
     flags, nproc = on(2, 1, 1)

@@ -88,11 +88,12 @@ def test_other_moe_families_match_single_process(launch_once, common_args, tmp_p
     assert_same_training(launch_once("11", [*args, "-b", 4, "--ep", 2, *NO_AUX_LOSS], nproc=2), reference)
 
 
-@pytest.mark.parametrize("flags", [["-b", 1, "--global-batch-size", 8], ["-b", 2, "--replicate-degree", 2],
-                                   ["-b", 2, "--cpu-offload"]], ids=["accumulation", "hsdp", "cpu-offload"])
-def test_accumulation_hsdp_and_cpu_offload_under_expert_parallelism_match_single_process(launch, flags):
-    """4 ranks as (dp, ep) = (2, 2): 2 micro-batches of 1 row per rank, each exchanging its tokens; HSDP (2
-    replicas of everything but the experts, each sharded over 2 ranks); the shards in CPU memory."""
+@pytest.mark.parametrize("flags", [["-b", 2, "--replicate-degree", 2], ["-b", 2, "--cpu-offload"]],
+                         ids=["hsdp", "cpu-offload"])
+def test_hsdp_and_cpu_offload_under_expert_parallelism_match_single_process(launch, flags):
+    """4 ranks as (dp, ep) = (2, 2): HSDP (2 replicas of everything but the experts, each sharded over 2 ranks);
+    the shards in CPU memory. Accumulation under ep (micro-batches that each exchange their tokens) is
+    tests/test_masked_labels.py's chapter 11 layout."""
     assert_same_training(launch("11", "mixtral", 4, ["--ep", 2, *flags, *NO_AUX_LOSS]), launch("01", "mixtral"))
 
 

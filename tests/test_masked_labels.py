@@ -16,7 +16,9 @@ import pytest
 from conftest import LOSS_TOLERANCE, assert_same_training, with_model
 
 STEPS = 4
-# chapter: (processes, flags), each -b x --grad-accum-steps x data-parallel ranks = 8
+# chapter: (processes, flags), each -b x --grad-accum-steps x data-parallel ranks = 8. Chapters 10 and 11 set K
+# with --global-batch-size 8 instead: chapter 10 divides it by the dp ranks only (the cp ranks of a dp group
+# share rows), chapter 11 by every rank (each rank of an expert group trains rows of its own).
 LAYOUTS = {
     "02": (2, ["-b", 2, "--grad-accum-steps", 2]),
     "04": (2, ["-b", 2, "--grad-accum-steps", 2]),
@@ -25,8 +27,8 @@ LAYOUTS = {
     "07": (4, ["-b", 2, "--grad-accum-steps", 2, "--tp", 2]),
     "08": (2, ["-b", 4, "--grad-accum-steps", 2, "--num-microbatches", 2]),
     "09": (4, ["-b", 2, "--grad-accum-steps", 2, "--pp", 2, "--dp", 2, "--tp", 1, "--num-microbatches", 2]),
-    "10": (4, ["-b", 2, "--grad-accum-steps", 2, "--cp", 2]),
-    "11": (4, ["-b", 1, "--grad-accum-steps", 2, "--ep", 2, "--aux-loss-coef", 0]),
+    "10": (4, ["-b", 2, "--global-batch-size", 8, "--cp", 2]),
+    "11": (4, ["-b", 1, "--global-batch-size", 8, "--ep", 2, "--aux-loss-coef", 0]),
 }
 
 
